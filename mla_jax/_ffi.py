@@ -1,0 +1,49 @@
+"""Loads the compiled extension and registers its FFI targets with JAX."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+
+try:
+  from . import _mla_jax_ext as _ext
+except ImportError as e:  # pragma: no cover - only when the build is broken
+  _ext = None
+  _IMPORT_ERROR = e
+else:
+  _IMPORT_ERROR = None
+
+CPU_TARGET = "mla_jax_paged_decode_cpu"
+CUDA_TARGET = "mla_jax_paged_decode_cuda"
+# Custom-call targets a jax.export user must allow:
+#   jax.export.DisabledSafetyCheck.custom_call(name) for each.
+EXPORT_TARGETS = (CPU_TARGET, CUDA_TARGET)
+
+
+def has_extension() -> bool:
+  return _ext is not None
+
+
+def has_cuda_kernels() -> bool:
+  return _ext is not None and bool(_ext.has_cuda())
+
+
+def cuda_archs() -> str:
+  return _ext.cuda_archs() if _ext is not None else ""
+
+
+def require_extension():
+  if _ext is None:
+    raise RuntimeError(f"mla_jax's compiled extension failed to import: {_IMPORT_ERROR}")
+
+
+@functools.cache
+def register() -> None:
+  """Registers the handlers for platforms "cpu" and "CUDA" (idempotent)."""
+  if _ext is None:
+    return
+  for name, capsule in _ext.cpu_registrations().items():
+    jax.ffi.register_ffi_target(name, capsule, platform="cpu")
+  for name, capsule in _ext.cuda_registrations().items():
+    jax.ffi.register_ffi_target(name, capsule, platform="CUDA")

@@ -1,0 +1,245 @@
+"""mla_jax.paged_decode: the jittable, shardable paged MLA decode op."""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.sharding import NamedSharding, PartitionSpec
+
+from . import _ffi
+from ._inputs import DecodeInputs, normalize
+from .plan import DecodePlan
+from .xla_reference import paged_decode_xla
+
+# Operand order of every backend: (q_nope, q_pe, ckv, kpe, block_table,
+# seq_lens, kv_scale); results (out, lse).
+_DEFAULT_SM_COUNT = 132  # H100/H200 SXM; used when no CUDA device is visible
+
+
+@functools.cache
+def _cuda_sm_count() -> int:
+  try:
+    return int(jax.devices("cuda")[0].core_count)
+  except Exception:  # no CUDA backend here (e.g. exporting on a CPU host)
+    return _DEFAULT_SM_COUNT
+
+
+def _out_types(q_nope, dn):
+  b, q, h = q_nope.shape[:3]
+  return (jax.ShapeDtypeStruct((b, q, h, dn), q_nope.dtype),
+          jax.ShapeDtypeStruct((b, q, h), jnp.float32))
+
+
+def _attrs(plan: DecodePlan):
+  return dict(sm_scale=np.float32(plan.sm_scale), causal=bool(plan.causal),
+              kv_lora_rank=int(plan.kv_lora_rank),
+              qk_rope_head_dim=int(plan.qk_rope_head_dim))
+
+
+def _cpu_call(plan: DecodePlan, *args):
+  return tuple(jax.ffi.ffi_call(_ffi.CPU_TARGET, _out_types(args[0], plan.kv_lora_rank))(
+      *args, **_attrs(plan)))
+
+
+def cuda_num_parts(rows_per_request: int, max_num_splits=None) -> int:
+  """Static number of persistent KV partitions the CUDA scheduler may use.
+
+  One partition per group of SMs that together cover all row blocks of 64
+  (q_len x heads) rows; the scratch buffers are sized from it.
+  """
+  m_blocks = math.ceil(rows_per_request / 64)
+  return max(1, _cuda_sm_count() // m_blocks)
+
+
+def _cuda_call(plan: DecodePlan, *args):
+  if plan.kv_lora_rank != 512 or plan.qk_rope_head_dim != 64:
+    raise ValueError("backend 'cuda' needs kv_lora_rank=512 and qk_rope_head_dim=64, got "
+                     f"{plan.kv_lora_rank} and {plan.qk_rope_head_dim}; use backend 'cpu' or 'xla'")
+  q_nope = args[0]
+  b, q, h = q_nope.shape[:3]
+  rows = q * h
+  parts = cuda_num_parts(rows)
+  i32, f32 = jnp.int32, jnp.float32
+  # Scratch is declared as extra results so that XLA owns it: no allocation
+  # in the handler, which keeps the call safe inside command buffers.
+  scratch = (
+      jax.ShapeDtypeStruct((b, 2), i32),                          # per request: first item, splits
+      jax.ShapeDtypeStruct((parts + 1,), i32),                    # per partition: first item
+      jax.ShapeDtypeStruct((b + parts, 4), i32),                  # per item: request, blocks, split
+      jax.ShapeDtypeStruct((b + parts, rows, plan.kv_lora_rank), f32),  # partial out
+      jax.ShapeDtypeStruct((b + parts, rows), f32),               # partial lse
+  )
+  res = jax.ffi.ffi_call(_ffi.CUDA_TARGET, _out_types(q_nope, plan.kv_lora_rank) + scratch)(
+      *args, max_num_splits=int(plan.max_num_splits or 0), **_attrs(plan))
+  return res[0], res[1]
+
+
+def _xla_call(plan: DecodePlan, *args):
+  return paged_decode_xla(DecodeInputs(*args, query_had_q_axis=True), plan)
+
+
+def _local_decode(plan: DecodePlan, *args):
+  """One device's decode on local (possibly sharded) operands."""
+  backend = plan.backend
+  if backend == "xla":
+    return _xla_call(plan, *args)
+  _ffi.require_extension()
+  if backend == "cpu":
+    return _cpu_call(plan, *args)
+  if backend == "cuda":
+    if not _ffi.has_cuda_kernels():
+      raise RuntimeError("backend 'cuda': mla_jax was built without CUDA kernels "
+                         "(no CUDA toolkit at build time, or MLA_JAX_CUDA=0)")
+    return _cuda_call(plan, *args)
+  # "auto": the lowering platform picks the branch; nothing else is lowered.
+  cuda = functools.partial(_cuda_call if _ffi.has_cuda_kernels() else _xla_call, plan)
+  return jax.lax.platform_dependent(*args, cpu=functools.partial(_cpu_call, plan), cuda=cuda,
+                                    default=functools.partial(_xla_call, plan))
+
+
+# --- sharding: custom_partitioning with a Shardy rule -----------------------
+# Batch (B) and heads (H) of the query may be sharded; every request's rows
+# are independent, so each device runs the kernel on its own slice with no
+# communication. The cache, page axis of the block table and feature dims
+# stay whole (they are replicated when sharded). On a single device
+# custom_partitioning lowers to the plain kernel call, which keeps the op
+# exportable with jax.export.
+_SHARDY_RULE = "b q h d, b q h r, p s c, p s k, b t, b, z -> b q h e, b q h"
+
+
+def _query_axes(sharding):
+  spec = tuple(sharding.spec) + (None,) * 4
+  return spec[0], spec[2]
+
+
+def _shardings(mesh, batch_axis, head_axis):
+  ns = lambda *spec: NamedSharding(mesh, PartitionSpec(*spec))
+  args = (ns(batch_axis, None, head_axis, None), ns(batch_axis, None, head_axis, None),
+          ns(), ns(), ns(batch_axis, None), ns(batch_axis), ns())
+  outs = (ns(batch_axis, None, head_axis, None), ns(batch_axis, None, head_axis))
+  return args, outs
+
+
+def _infer(plan, mesh, arg_shapes, result_shape):
+  del plan, result_shape
+  return _shardings(mesh, *_query_axes(arg_shapes[0].sharding))[1]
+
+
+def _partition(plan, mesh, arg_shapes, result_shape):
+  del result_shape
+  args, outs = _shardings(mesh, *_query_axes(arg_shapes[0].sharding))
+  return mesh, functools.partial(_local_decode, plan), outs, args
+
+
+@functools.partial(custom_partitioning, static_argnums=(7,))
+def _partitioned_decode(q_nope, q_pe, ckv, kpe, block_table, seq_lens, kv_scale, plan):
+  return _local_decode(plan, q_nope, q_pe, ckv, kpe, block_table, seq_lens, kv_scale)
+
+
+_partitioned_decode.def_partition(
+    infer_sharding_from_operands=_infer, partition=_partition, sharding_rule=_SHARDY_RULE)
+
+
+# --- vmap and autodiff --------------------------------------------------------
+@functools.cache
+def _decode_fn(plan: DecodePlan):
+  """The op for one plan: vmap folds into the batch, autodiff is refused."""
+
+  @jax.custom_batching.custom_vmap
+  def decode(q_nope, q_pe, ckv, kpe, block_table, seq_lens, kv_scale):
+    return _partitioned_decode(q_nope, q_pe, ckv, kpe, block_table, seq_lens, kv_scale, plan)
+
+  @decode.def_vmap
+  def _decode_vmap(axis_size, in_batched, *args):
+    per_request = (0, 1, 4, 5)  # q_nope, q_pe, block_table, seq_lens
+    if any(in_batched[i] for i in (2, 3, 6)):
+      # A batched cache or scale cannot fold into B: loop instead.
+      args = [a if bat else jnp.broadcast_to(a, (axis_size,) + a.shape)
+              for a, bat in zip(args, in_batched)]
+      out = jax.lax.map(lambda xs: decode(*xs), tuple(args))
+      return out, (True, True)
+    args = list(args)
+    for i in per_request:
+      a = args[i] if in_batched[i] else jnp.broadcast_to(args[i], (axis_size,) + args[i].shape)
+      args[i] = a.reshape((axis_size * a.shape[1],) + a.shape[2:])
+    out, lse = decode(*args)
+    return ((out.reshape((axis_size, -1) + out.shape[1:]),
+             lse.reshape((axis_size, -1) + lse.shape[1:])), (True, True))
+
+  @jax.custom_jvp
+  def decode_nodiff(*args):
+    return decode(*args)
+
+  @decode_nodiff.defjvp
+  def _no_jvp(primals, tangents):
+    raise TypeError(
+        "mla_jax.paged_decode is inference-only: it has no derivative (decode never "
+        "backpropagates). Wrap its inputs in jax.lax.stop_gradient if it sits inside a "
+        "differentiated function.")
+
+  return decode_nodiff
+
+
+@functools.partial(jax.jit, static_argnames=("plan", "return_lse"))
+def paged_decode(query, kv_cache, block_table, seq_lens, *, plan: DecodePlan,
+                 return_lse: bool = False, kv_scale=None):
+  """Paged Multi-head Latent Attention decode (absorbed weights).
+
+  Math (DeepSeek-V2, "Multi-head Latent Attention", arXiv:2405.04434, with the
+  up-projections absorbed into the query and output): for request b, query
+  token i, head h and visible positions p,
+
+    score[p] = sm_scale * (q_nope . ckv[p] + q_pe . kpe[p])
+    out      = softmax(score) . ckv
+    lse      = ln(sum_p exp(score[p]))      (natural log, float32)
+
+  Long requests are split across the GPU's SMs and merged with their LSEs
+  (FlashDecoding, Dao et al. 2023); the split schedule is computed on the
+  device from ``seq_lens``, never on the host.
+
+  Args:
+    query: ``[B, H, 576]`` (plan.q_len 1) or ``[B, Q, H, 576]`` packed
+      (q_nope in the first 512 features, q_pe in the last 64), or a pair
+      ``(q_nope [B, (Q,) H, 512], q_pe [B, (Q,) H, 64])``. bfloat16 or float16.
+    kv_cache: packed ``[num_pages, page_size, 576]`` (ckv then kpe) or a pair
+      ``(ckv [num_pages, page_size, 512], kpe [num_pages, page_size, 64])``.
+      Same dtype as the query (float8_e4m3fn together with ``kv_scale``).
+    block_table: int32 ``[B, max_pages_per_seq]``; token p of request b is at
+      page ``block_table[b, p // page_size]``, slot ``p % page_size``.
+    seq_lens: int32 ``[B]``: cached tokens of each request, *including* its Q
+      new tokens (FlashMLA's ``cache_seqlens``).
+    plan: the static :class:`DecodePlan`.
+    return_lse: also return the log-sum-exp.
+    kv_scale: float32 scalar dequantisation scale of an FP8 cache; scores use
+      ``sm_scale * kv_scale`` and the output is multiplied by ``kv_scale``.
+
+  Returns:
+    ``out [B, (Q,) H, 512]`` in the query dtype, and with ``return_lse`` also
+    ``lse [B, (Q,) H]`` float32 (natural log). The Q axis is present exactly
+    when the query had one.
+
+  Edge cases: a request or query token with no visible position gives out 0
+  and lse -inf. Cache slots past ``seq_lens[b]`` and table entries past the
+  live pages are never read. A negative ``seq_lens[b]``, one above
+  ``max_pages_per_seq * page_size``, or a live page id outside
+  ``[0, num_pages)`` never causes an out-of-bounds access: that request's
+  out and lse are NaN (:func:`mla_jax.check_inputs` says which and why).
+
+  Raises:
+    TypeError: wrong dtypes, a plan that is not a DecodePlan, or
+      differentiation (the op is inference-only).
+    ValueError: wrong ranks or shapes, or a mismatch with the plan.
+    RuntimeError: backend "cuda" requested but not compiled in.
+  """
+  inputs = normalize(query, kv_cache, block_table, seq_lens, plan, kv_scale)
+  out, lse = _decode_fn(plan)(inputs.q_nope, inputs.q_pe, inputs.ckv, inputs.kpe,
+                              inputs.block_table, inputs.seq_lens, inputs.kv_scale)
+  if not inputs.query_had_q_axis:  # reshapes lower to bitcasts: no copy
+    out = out.reshape(out.shape[:1] + out.shape[2:])
+    lse = lse.reshape(lse.shape[:1] + lse.shape[2:])
+  return (out, lse) if return_lse else out

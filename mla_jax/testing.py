@@ -1,0 +1,86 @@
+"""Float64 NumPy reference and input generators for tests, demo and benchmarks."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .plan import DecodePlan
+
+
+def reference_paged_decode(query, kv_cache, block_table, seq_lens, plan: DecodePlan, kv_scale=1.0):
+  """Float64 reference of :func:`mla_jax.paged_decode` on host arrays.
+
+  Args:
+    query: ``[B, Q, H, 576]`` or a (q_nope, q_pe) pair with a Q axis, any float dtype.
+    kv_cache: ``[P, S, 576]`` or a (ckv, kpe) pair.
+    block_table, seq_lens: as for paged_decode.
+  Returns:
+    out ``[B, Q, H, 512]`` and lse ``[B, Q, H]`` as float64; invalid requests NaN.
+  """
+  dn = plan.kv_lora_rank
+  if isinstance(query, (tuple, list)):
+    q = np.concatenate([np.asarray(query[0], np.float64), np.asarray(query[1], np.float64)], -1)
+  else:
+    q = np.asarray(query, np.float64)
+  if isinstance(kv_cache, (tuple, list)):
+    kv = np.concatenate([np.asarray(kv_cache[0], np.float64), np.asarray(kv_cache[1], np.float64)], -1)
+  else:
+    kv = np.asarray(kv_cache, np.float64)
+  block_table = np.asarray(block_table)
+  seq_lens = np.asarray(seq_lens)
+  b_sz, q_len, h = q.shape[:3]
+  num_pages, page_size = kv.shape[:2]
+  out = np.zeros((b_sz, q_len, h, dn))
+  lse = np.full((b_sz, q_len, h), -np.inf)
+  for b in range(b_sz):
+    n = int(seq_lens[b])
+    live_pages = -(-n // page_size) if n > 0 else 0
+    ids = block_table[b, :live_pages] if n >= 0 else None
+    if n < 0 or n > block_table.shape[1] * page_size or np.any((ids < 0) | (ids >= num_pages)):
+      out[b], lse[b] = np.nan, np.nan
+      continue
+    pos = np.arange(n)
+    keys = kv[ids[pos // page_size], pos % page_size] if n else np.zeros((0, kv.shape[-1]))
+    keys = keys * kv_scale
+    for i in range(q_len):
+      limit = n - q_len + i + 1 if plan.causal else n
+      if limit <= 0:
+        continue
+      k = keys[:limit]
+      s = q[b, i] @ k.T * plan.sm_scale                       # [H, limit]
+      m = s.max(-1, keepdims=True)
+      w = np.exp(s - m)
+      lse[b, i] = (m[:, 0] + np.log(w.sum(-1)))
+      out[b, i] = (w / w.sum(-1, keepdims=True)) @ k[:, :dn]
+  return out, lse
+
+
+def random_paged_inputs(rng: np.random.Generator, seq_lens, *, num_heads: int, page_size: int,
+                        q_len: int = 1, dtype=np.float32, extra_pages: int = 3,
+                        scatter: bool = True, kv_lora_rank: int = 512, qk_rope_head_dim: int = 64):
+  """Random query/cache/block table for the given lengths (host arrays).
+
+  Pages are assigned without reuse, scattered over the cache when
+  ``scatter``; unused table entries hold -1 and unused cache slots NaN-free
+  random values (tests plant NaN themselves where they want it).
+
+  Returns:
+    dict with query [B, Q, H, 576], kv_cache [P, S, 576], block_table
+    int32 [B, T], seq_lens int32 [B] (all NumPy, float32 values rounded to
+    ``dtype`` when it is a JAX dtype name is applied by the caller).
+  """
+  seq_lens = np.asarray(seq_lens, np.int32)
+  b = len(seq_lens)
+  d = kv_lora_rank + qk_rope_head_dim
+  pages_per_seq = [max(0, -(-int(n) // page_size)) for n in seq_lens]
+  max_pages = max(1, max(pages_per_seq) if b else 1)
+  num_pages = sum(pages_per_seq) + extra_pages
+  order = rng.permutation(num_pages) if scatter else np.arange(num_pages)
+  block_table = np.full((b, max_pages), -1, np.int32)
+  k = 0
+  for i, n in enumerate(pages_per_seq):
+    block_table[i, :n] = order[k:k + n]
+    k += n
+  query = rng.standard_normal((b, q_len, num_heads, d)).astype(dtype)
+  kv_cache = rng.standard_normal((num_pages, page_size, d)).astype(dtype)
+  return dict(query=query, kv_cache=kv_cache, block_table=block_table, seq_lens=seq_lens)

@@ -1,0 +1,73 @@
+"""Pure-JAX paged MLA decode (backend "xla"): the reference formulation.
+
+It gathers every page of the block table and runs two einsums, which is what
+a JAX user writes without a kernel; benchmarks use it as the baseline. Same
+semantics as the kernels, including the edge cases (see
+:func:`mla_jax.paged_decode`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from ._inputs import DecodeInputs
+from .plan import DecodePlan
+
+
+def request_validity(block_table, seq_lens, num_pages: int, page_size: int):
+  """bool [B]: length in range and every live page id inside the cache."""
+  max_pages = block_table.shape[1]
+  live = jnp.arange(max_pages)[None, :] * page_size < seq_lens[:, None]
+  ids_ok = (block_table >= 0) & (block_table < num_pages)
+  pages_ok = jnp.all(ids_ok | ~live, axis=1)
+  len_ok = (seq_lens >= 0) & (seq_lens <= max_pages * page_size)
+  return len_ok & pages_ok
+
+
+def paged_decode_xla(inputs: DecodeInputs, plan: DecodePlan):
+  """Returns out [B, Q, H, kv_lora_rank] (query dtype) and lse [B, Q, H] f32."""
+  dn = plan.kv_lora_rank
+  q_nope, q_pe = inputs.q_nope, inputs.q_pe
+  if inputs.q_packed:
+    q_nope, q_pe = q_nope[..., :dn], q_nope[..., dn:]
+  ckv, kpe = inputs.ckv, inputs.kpe
+  if inputs.kv_packed:
+    ckv, kpe = ckv[..., :dn], ckv[..., dn:]
+  num_pages, page_size = ckv.shape[0], ckv.shape[1]
+  block_table, seq_lens = inputs.block_table, inputs.seq_lens
+  b, q_len = q_nope.shape[0], q_nope.shape[1]
+  kv_scale = inputs.kv_scale[0]
+
+  ids = jnp.clip(block_table, 0, num_pages - 1)
+  n_tok = block_table.shape[1] * page_size
+  compute = q_nope.dtype
+  k_nope = jnp.take(ckv, ids, axis=0).reshape(b, n_tok, dn).astype(compute)
+  k_pe = jnp.take(kpe, ids, axis=0).reshape(b, n_tok, -1).astype(compute)
+
+  pos = jnp.arange(n_tok)
+  live = pos[None, :] < seq_lens[:, None]                                  # [B, N]
+  # Slots past seq_len may hold anything (NaN included): zero them so that a
+  # zero softmax weight cannot meet a NaN value.
+  k_nope = jnp.where(live[..., None], k_nope, jnp.zeros((), compute))
+  k_pe = jnp.where(live[..., None], k_pe, jnp.zeros((), compute))
+
+  scores = (jnp.einsum("bqhd,bnd->bqhn", q_nope, k_nope, preferred_element_type=jnp.float32) +
+            jnp.einsum("bqhd,bnd->bqhn", q_pe, k_pe, preferred_element_type=jnp.float32))
+  scores = scores * (plan.sm_scale * kv_scale)
+  i = jnp.arange(q_len)
+  if plan.causal:
+    limit = seq_lens[:, None] - q_len + i[None, :] + 1                      # [B, Q]
+  else:
+    limit = jnp.broadcast_to(seq_lens[:, None], (b, q_len))
+  visible = pos[None, None, :] < limit[:, :, None]                          # [B, Q, N]
+  scores = jnp.where(visible[:, :, None, :], scores, -jnp.inf)
+  lse = jax.nn.logsumexp(scores, axis=-1)                                   # -inf if empty
+  probs = jnp.exp(scores - jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None])
+  out = jnp.einsum("bqhn,bnd->bqhd", probs.astype(compute), k_nope,
+                   preferred_element_type=jnp.float32) * kv_scale
+
+  valid = request_validity(block_table, seq_lens, num_pages, page_size)[:, None, None]
+  out = jnp.where(valid[..., None], out, jnp.nan)
+  lse = jnp.where(valid, lse, jnp.nan)
+  return out.astype(q_nope.dtype), lse
