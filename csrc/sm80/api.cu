@@ -1,0 +1,33 @@
+// Host side of the portable decode: validation and the three launches.
+#include "csrc/sm80/api.h"
+
+namespace mla_jax {
+namespace sm80 {
+
+int rows_per_cta(int rows_per_request) {
+  return rows_per_request <= 16 ? 16 : rows_per_request <= 32 ? 32 : 64;
+}
+
+const char* check_supported(const PagedDecodeParams& p) {
+  if (p.kv_lora_rank != 512 || p.qk_rope_head_dim != 64)
+    return "the CUDA kernels need kv_lora_rank 512 and qk_rope_head_dim 64";
+  if (p.q_type == ElemType::kFP8E4M3) return "the query must be bf16 or fp16";
+  if (p.page_size <= 0) return "page_size must be positive";
+  return nullptr;
+}
+
+cudaError_t paged_decode(const PagedDecodeParams& params, const DecodeWorkspace& ws, cudaStream_t stream) {
+  if (params.batch == 0 || params.rows_per_request() == 0) return cudaSuccess;
+  cudaError_t err = run_scheduler(params, ws, stream);
+  if (err != cudaSuccess) return err;
+  switch (params.kv_type) {
+    case ElemType::kBF16: err = run_decode_bf16(params, ws, stream); break;
+    case ElemType::kF16: err = run_decode_fp16(params, ws, stream); break;
+    case ElemType::kFP8E4M3: err = run_decode_fp8(params, ws, stream); break;
+  }
+  if (err != cudaSuccess) return err;
+  return run_combine(params, ws, stream);
+}
+
+}  // namespace sm80
+}  // namespace mla_jax

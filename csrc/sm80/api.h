@@ -1,0 +1,58 @@
+// Host entry points of the portable (sm_80+) split-KV paged MLA decode.
+//
+// One call runs three kernels on `stream`: the scheduler (splits the
+// requests' KV blocks over persistent partitions, on the device, from
+// seq_lens), the decode kernel (one CTA per partition x row block) and the
+// combine kernel (merges the splits of each request by their LSE,
+// FlashDecoding). All scratch comes from the caller (XLA), so the sequence
+// can be captured into a CUDA graph.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "csrc/common/mla_params.h"
+
+namespace mla_jax {
+namespace sm80 {
+
+// KV blocks the scheduler deals in (tokens); every kernel tile divides it.
+constexpr int kSchedBlockTokens = 64;
+
+struct DecodeWorkspace {
+  int32_t* request_meta = nullptr;  // [batch, 2]: first item, number of splits
+  int32_t* part_begin = nullptr;    // [num_parts + 1]: first item of each partition
+  int32_t* items = nullptr;         // [max_items, 4]: request, block begin, block end, start load
+  float* out_accum = nullptr;       // [max_items, rows, kv_lora_rank]: normalised partial outputs
+  float* lse_accum = nullptr;       // [max_items, rows]: partial LSEs (natural log)
+  int num_parts = 1;
+  int max_items = 0;                // >= batch + num_parts
+  int max_num_splits = 0;           // cap on splits per request; 0 = none
+};
+
+// Rows (q_len x heads) handled by one CTA for a given request row count.
+int rows_per_cta(int rows_per_request);
+
+// Validates shapes the kernels rely on; returns nullptr or a message.
+const char* check_supported(const PagedDecodeParams& params);
+
+cudaError_t run_scheduler(const PagedDecodeParams& params, const DecodeWorkspace& ws,
+                          cudaStream_t stream);
+cudaError_t run_combine(const PagedDecodeParams& params, const DecodeWorkspace& ws,
+                        cudaStream_t stream);
+
+// Decode kernels, one per (query dtype, cache dtype); see decode_*.cu.
+cudaError_t run_decode_bf16(const PagedDecodeParams& params, const DecodeWorkspace& ws,
+                            cudaStream_t stream);
+cudaError_t run_decode_fp16(const PagedDecodeParams& params, const DecodeWorkspace& ws,
+                            cudaStream_t stream);
+cudaError_t run_decode_fp8(const PagedDecodeParams& params, const DecodeWorkspace& ws,
+                           cudaStream_t stream);
+
+// Scheduler + decode + combine.
+cudaError_t paged_decode(const PagedDecodeParams& params, const DecodeWorkspace& ws,
+                         cudaStream_t stream);
+
+}  // namespace sm80
+}  // namespace mla_jax

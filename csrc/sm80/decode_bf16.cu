@@ -1,0 +1,12 @@
+// Instantiation: bf16 query and bf16 cache.
+#include "csrc/sm80/decode_kernel.cuh"
+
+namespace mla_jax {
+namespace sm80 {
+
+cudaError_t run_decode_bf16(const PagedDecodeParams& params, const DecodeWorkspace& ws, cudaStream_t stream) {
+  return dispatch_decode<__nv_bfloat16, __nv_bfloat16>(params, ws, stream);
+}
+
+}  // namespace sm80
+}  // namespace mla_jax

@@ -1,0 +1,13 @@
+// Instantiation: float8_e4m3fn cache with a bf16 or fp16 query.
+#include "csrc/sm80/decode_kernel.cuh"
+
+namespace mla_jax {
+namespace sm80 {
+
+cudaError_t run_decode_fp8(const PagedDecodeParams& params, const DecodeWorkspace& ws, cudaStream_t stream) {
+  if (params.q_type == ElemType::kBF16) return dispatch_decode<__nv_bfloat16, __nv_fp8_e4m3>(params, ws, stream);
+  return dispatch_decode<__half, __nv_fp8_e4m3>(params, ws, stream);
+}
+
+}  // namespace sm80
+}  // namespace mla_jax

@@ -1,0 +1,397 @@
+// Kernel body of the portable split-KV paged MLA decode (sm_80+:
+// cp.async, ldmatrix and mma.sync m16n8k16 through CuTe's instruction
+// atoms). Included by the per-dtype instantiation files decode_*.cu.
+//
+// Grid (num_parts, row blocks). A CTA walks the items the scheduler gave
+// its partition; an item is a range of 64-token blocks of one request. For
+// each item it loads the request's query rows once, streams the KV tiles
+// through a two-stage cp.async pipeline (page ids gathered from the block
+// table one tile ahead), keeps the online-softmax state in registers and
+// writes either the final output (request not split) or a normalised
+// partial output and LSE for the combine kernel.
+#pragma once
+
+#include <cute/arch/copy_sm75.hpp>
+#include <cute/arch/copy_sm80.hpp>
+#include <cute/arch/mma_sm80.hpp>
+
+#include "csrc/common/mla_params.h"
+#include "csrc/sm80/api.h"
+#include "csrc/sm80/decode_traits.h"
+
+namespace mla_jax {
+namespace sm80 {
+
+template <typename T>
+__device__ __forceinline__ uint32_t pack2(float a, float b);
+template <>
+__device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float a, float b) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+template <>
+__device__ __forceinline__ uint32_t pack2<__half>(float a, float b) {
+  __half2 v = __floats2half2_rn(a, b);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+template <typename T>
+__device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1);
+template <>
+__device__ __forceinline__ void mma16816<__nv_bfloat16>(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                                        uint32_t b1) {
+  cute::SM80_16x8x16_F32BF16BF16F32_TN::fma(d[0], d[1], d[2], d[3], a[0], a[1], a[2], a[3], b0, b1, d[0],
+                                            d[1], d[2], d[3]);
+}
+template <>
+__device__ __forceinline__ void mma16816<__half>(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                                 uint32_t b1) {
+  cute::SM80_16x8x16_F32F16F16F32_TN::fma(d[0], d[1], d[2], d[3], a[0], a[1], a[2], a[3], b0, b1, d[0],
+                                          d[1], d[2], d[3]);
+}
+
+__device__ __forceinline__ void ldsm_x4(const void* smem, uint32_t (&r)[4]) {
+  cute::SM75_U32x4_LDSM_N::copy(*static_cast<const cute::uint128_t*>(smem), r[0], r[1], r[2], r[3]);
+}
+__device__ __forceinline__ void ldsm_x2(const void* smem, uint32_t (&r)[2]) {
+  cute::SM75_U32x2_LDSM_N::copy(*static_cast<const cute::uint128_t*>(smem), r[0], r[1]);
+}
+__device__ __forceinline__ void ldsm_x4_trans(const void* smem, uint32_t (&r)[4]) {
+  cute::SM75_U16x8_LDSM_T::copy(*static_cast<const cute::uint128_t*>(smem), r[0], r[1], r[2], r[3]);
+}
+__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool pred) {
+  cute::SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<cute::uint128_t>::copy(*static_cast<const cute::uint128_t*>(gmem),
+                                                               *static_cast<cute::uint128_t*>(smem), pred);
+}
+
+// 16 e4m3 values -> 16 QType values (two 16-byte stores).
+template <typename T>
+__device__ __forceinline__ void convert_fp8x16(const uint8_t* src, T* dst) {
+  const uint4 raw = *reinterpret_cast<const uint4*>(src);
+  const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
+  uint32_t out[8];
+#pragma unroll
+  for (int w = 0; w < 4; ++w) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const __nv_fp8x2_storage_t pair = static_cast<__nv_fp8x2_storage_t>(words[w] >> (16 * h));
+      const __half2 hv = __half2(__nv_cvt_fp8x2_to_halfraw2(pair, __NV_E4M3));
+      if constexpr (std::is_same_v<T, __half>) {
+        out[2 * w + h] = *reinterpret_cast<const uint32_t*>(&hv);
+      } else {
+        const float2 f = __half22float2(hv);
+        out[2 * w + h] = pack2<T>(f.x, f.y);
+      }
+    }
+  }
+  reinterpret_cast<uint4*>(dst)[0] = make_uint4(out[0], out[1], out[2], out[3]);
+  reinterpret_cast<uint4*>(dst)[1] = make_uint4(out[4], out[5], out[6], out[7]);
+}
+
+template <typename Tr>
+__global__ void __launch_bounds__(Tr::kThreads, 1)
+    decode_kernel(const PagedDecodeParams p, const DecodeWorkspace ws) {
+  using T = typename Tr::QType;
+  constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kStride = Tr::kRowStride;
+  constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
+
+  extern __shared__ __align__(128) char smem[];
+  T* sQ = reinterpret_cast<T*>(smem + Tr::kSmemQ);
+  char* sKvStage = smem + Tr::kSmemKv;
+  T* sP = reinterpret_cast<T*>(smem + Tr::kSmemP);
+  float* sRed = reinterpret_cast<float*>(smem + Tr::kSmemRed);
+  __shared__ int s_bad_page;
+
+  const int tid = threadIdx.x;
+  const int lane = tid % 32, warp = tid / 32;
+  const int wm = warp % Tr::kWarpsM, wn = warp / Tr::kWarpsM;
+  const int g = lane / 4, tig = lane % 4;
+  const int copy_row = tid / Tr::kThreadsPerRow, copy_lane = tid % Tr::kThreadsPerRow;
+
+  const int part = blockIdx.x;
+  const int m0 = blockIdx.y * kBlockM;
+  const int rows = p.rows_per_request();
+  const float kv_scale = p.kv_scale ? *p.kv_scale : 1.0f;
+  const float scale_log2 = p.sm_scale * kv_scale * kLog2e;
+  const int item_begin = ws.part_begin[part], item_end = ws.part_begin[part + 1];
+  const T* kv_tile = reinterpret_cast<const T*>(Tr::kFp8Kv ? smem + Tr::kSmemConverted : sKvStage);
+  const char* q_nope = static_cast<const char*>(p.q_nope);
+  const char* q_pe = static_cast<const char*>(p.q_pe);
+  const char* ckv = static_cast<const char*>(p.ckv);
+  const char* kpe = static_cast<const char*>(p.kpe);
+  constexpr int kKvElem = sizeof(typename Tr::KvType);
+
+  for (int item = item_begin; item < item_end; ++item) {
+    const int b = ws.items[4 * item];
+    const int block_begin = ws.items[4 * item + 1], block_end = ws.items[4 * item + 2];
+    const int splits = ws.request_meta[2 * b + 1];
+    const int64_t seq_len = p.seq_lens[b];
+    const bool len_ok = seq_len >= 0 && seq_len <= p.max_seq_len();
+    const int64_t tok_end = len_ok ? min(seq_len, int64_t{block_end} * kSchedBlockTokens) : 0;
+    const int tile_begin = block_begin * (kSchedBlockTokens / kBlockN);
+    const int num_tiles =
+        len_ok ? static_cast<int>((tok_end + kBlockN - 1) / kBlockN) - tile_begin : 0;
+    const int32_t* table = p.block_table + static_cast<int64_t>(b) * p.max_pages_per_seq;
+
+    __syncthreads();  // the previous item is done with every buffer
+    if (tid == 0) s_bad_page = 0;
+    __syncthreads();
+
+    // Page of each KV row this thread copies, -1 past the live tokens and
+    // -2 for an out-of-range page id (zero-filled, request reported bad).
+    auto fetch_pages = [&](int tile, int (&page)[Tr::kKvPasses]) {
+#pragma unroll
+      for (int ps = 0; ps < Tr::kKvPasses; ++ps) {
+        const int r = ps * Tr::kRowsPerPass + copy_row;
+        const int64_t tok = int64_t{tile} * kBlockN + r;
+        page[ps] = -1;
+        if (r < kBlockN && tok < tok_end) {
+          const int id = table[tok / p.page_size];
+          page[ps] = (id >= 0 && id < p.num_pages) ? id : -2;
+        }
+      }
+    };
+    auto issue_tile = [&](int tile, int stage, const int (&page)[Tr::kKvPasses]) {
+      char* dst_stage = sKvStage + stage * Tr::kStageBytes;
+#pragma unroll
+      for (int ps = 0; ps < Tr::kKvPasses; ++ps) {
+        const int r = ps * Tr::kRowsPerPass + copy_row;
+        if (r >= kBlockN) continue;
+        const int64_t tok = int64_t{tile} * kBlockN + r;
+        const bool live = page[ps] >= 0;
+        if (page[ps] == -2) s_bad_page = 1;
+        const int64_t slot = live ? tok % p.page_size : 0;
+        const int64_t pg = live ? page[ps] : 0;
+        const char* ckv_row = ckv + (pg * p.ckv_page_stride + slot * p.ckv_token_stride) * kKvElem;
+        const char* kpe_row = kpe + (pg * p.kpe_page_stride + slot * p.kpe_token_stride) * kKvElem;
+        char* dst = dst_stage + r * Tr::kKvRowBytes;
+#pragma unroll
+        for (int j = 0; j < Tr::kKvChunksPerThread; ++j) {
+          const int c = copy_lane + j * Tr::kThreadsPerRow;
+          if (c < Tr::kKvChunks) {
+            const char* src = c < Tr::kNopeChunks ? ckv_row + c * 16 : kpe_row + (c - Tr::kNopeChunks) * 16;
+            cp_async_16(dst + c * 16, src, live);
+          }
+        }
+      }
+    };
+
+    // Query rows of this row block (zero past the request's rows).
+    for (int r = copy_row; r < kBlockM; r += Tr::kRowsPerPass) {
+      const bool live = m0 + r < rows;
+      const int64_t grow = int64_t{b} * rows + (live ? m0 + r : 0);
+      const char* qn = q_nope + grow * p.q_nope_row_stride * 2;
+      const char* qp = q_pe + grow * p.q_pe_row_stride * 2;
+      for (int c = copy_lane; c < Tr::kDimQK / 8; c += Tr::kThreadsPerRow) {
+        const char* src = c < Tr::kDimNope / 8 ? qn + c * 16 : qp + (c - Tr::kDimNope / 8) * 16;
+        cp_async_16(reinterpret_cast<char*>(sQ + r * kStride) + c * 16, src, live);
+      }
+    }
+
+    // Visible length of the two rows this thread owns in S and O.
+    int64_t limit[2];
+#pragma unroll
+    for (int rr = 0; rr < 2; ++rr) {
+      const int row = m0 + wm * 16 + g + rr * 8;
+      const int qi = row < rows ? row / p.num_heads : 0;
+      limit[rr] = row < rows ? visible_len(seq_len, p.q_len, qi, p.causal) : 0;
+    }
+
+    float acc_o[Tr::kOTiles][4];
+#pragma unroll
+    for (int j = 0; j < Tr::kOTiles; ++j) acc_o[j][0] = acc_o[j][1] = acc_o[j][2] = acc_o[j][3] = 0.f;
+    float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
+
+    int pages[Tr::kKvPasses];
+    if (num_tiles > 0) {
+      fetch_pages(tile_begin, pages);
+      issue_tile(tile_begin, 0, pages);
+    }
+    cute::cp_async_fence();
+    if (num_tiles > 1) fetch_pages(tile_begin + 1, pages);
+
+    for (int t = 0; t < num_tiles; ++t) {
+      cute::cp_async_wait<0>();
+      __syncthreads();  // tile t (and the query) landed; tile t-1 is no longer read
+      if (t + 1 < num_tiles) issue_tile(tile_begin + t + 1, (t + 1) % Tr::kStages, pages);
+      cute::cp_async_fence();
+      if (t + 2 < num_tiles) fetch_pages(tile_begin + t + 2, pages);
+
+      if constexpr (Tr::kFp8Kv) {
+        const uint8_t* src = reinterpret_cast<const uint8_t*>(sKvStage + (t % Tr::kStages) * Tr::kStageBytes);
+        T* dst = const_cast<T*>(kv_tile);
+        for (int c = tid; c < kBlockN * Tr::kKvChunks; c += Tr::kThreads) {
+          const int r = c / Tr::kKvChunks, col = c % Tr::kKvChunks;
+          convert_fp8x16<T>(src + r * Tr::kKvRowBytes + col * 16, dst + r * kStride + col * 16);
+        }
+        __syncthreads();
+      }
+      const T* sK = Tr::kFp8Kv ? kv_tile
+                               : reinterpret_cast<const T*>(sKvStage + (t % Tr::kStages) * Tr::kStageBytes);
+
+      // S = Q K^T for this warp's 16 rows x kSCols tokens.
+      float acc_s[Tr::kSTiles][4];
+#pragma unroll
+      for (int n = 0; n < Tr::kSTiles; ++n) acc_s[n][0] = acc_s[n][1] = acc_s[n][2] = acc_s[n][3] = 0.f;
+      const T* q_frag = sQ + (wm * 16 + lane % 16) * kStride + 8 * (lane / 16);
+#pragma unroll 4
+      for (int ks = 0; ks < Tr::kDimQK / 16; ++ks) {
+        uint32_t a[4];
+        ldsm_x4(q_frag + ks * 16, a);
+        if constexpr (Tr::kSTiles == 2) {
+          uint32_t bk[4];
+          ldsm_x4(sK + (wn * 16 + lane % 8 + 8 * (lane / 16)) * kStride + ks * 16 + 8 * ((lane / 8) % 2), bk);
+          mma16816<T>(acc_s[0], a, bk[0], bk[1]);
+          mma16816<T>(acc_s[1], a, bk[2], bk[3]);
+        } else {
+          uint32_t bk[2];
+          ldsm_x2(sK + (wn * 8 + lane % 8) * kStride + ks * 16 + 8 * ((lane / 8) % 2), bk);
+          mma16816<T>(acc_s[0], a, bk[0], bk[1]);
+        }
+      }
+
+      // Mask, scale (log2 domain) and the tile's row maxima across warps.
+      const int64_t tok0 = int64_t{tile_begin + t} * kBlockN + wn * Tr::kSCols + 2 * tig;
+      float tile_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+      for (int n = 0; n < Tr::kSTiles; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int rr = e / 2;
+          const int64_t tok = tok0 + n * 8 + (e % 2);
+          const float s = tok < limit[rr] ? acc_s[n][e] * scale_log2 : -INFINITY;
+          acc_s[n][e] = s;
+          tile_max[rr] = fmaxf(tile_max[rr], s);
+        }
+      }
+#pragma unroll
+      for (int rr = 0; rr < 2; ++rr) {
+        tile_max[rr] = fmaxf(tile_max[rr], __shfl_xor_sync(0xffffffffu, tile_max[rr], 1));
+        tile_max[rr] = fmaxf(tile_max[rr], __shfl_xor_sync(0xffffffffu, tile_max[rr], 2));
+        if (tig == 0) sRed[wn * kBlockM + wm * 16 + g + rr * 8] = tile_max[rr];
+      }
+      __syncthreads();
+      float correction[2];
+#pragma unroll
+      for (int rr = 0; rr < 2; ++rr) {
+        float m = row_max[rr];
+#pragma unroll
+        for (int w = 0; w < Tr::kWarpsN; ++w) m = fmaxf(m, sRed[w * kBlockM + wm * 16 + g + rr * 8]);
+        const float m_use = m == -INFINITY ? 0.f : m;  // fully masked so far: avoid inf - inf
+        correction[rr] = exp2f(row_max[rr] - m_use);
+        row_max[rr] = m;
+        row_sum[rr] *= correction[rr];
+#pragma unroll
+        for (int n = 0; n < Tr::kSTiles; ++n) {
+          acc_s[n][2 * rr] = exp2f(acc_s[n][2 * rr] - m_use);
+          acc_s[n][2 * rr + 1] = exp2f(acc_s[n][2 * rr + 1] - m_use);
+          row_sum[rr] += acc_s[n][2 * rr] + acc_s[n][2 * rr + 1];
+        }
+      }
+#pragma unroll
+      for (int n = 0; n < Tr::kSTiles; ++n) {
+        const int col = wn * Tr::kSCols + n * 8 + 2 * tig;
+        *reinterpret_cast<uint32_t*>(sP + (wm * 16 + g) * Tr::kPStride + col) = pack2<T>(acc_s[n][0], acc_s[n][1]);
+        *reinterpret_cast<uint32_t*>(sP + (wm * 16 + g + 8) * Tr::kPStride + col) =
+            pack2<T>(acc_s[n][2], acc_s[n][3]);
+      }
+#pragma unroll
+      for (int j = 0; j < Tr::kOTiles; ++j) {
+        acc_o[j][0] *= correction[0];
+        acc_o[j][1] *= correction[0];
+        acc_o[j][2] *= correction[1];
+        acc_o[j][3] *= correction[1];
+      }
+      __syncthreads();  // P complete
+
+      // O += P V for this warp's 16 rows x kOCols outputs (V = ckv part).
+#pragma unroll
+      for (int kk = 0; kk < kBlockN / 16; ++kk) {
+        uint32_t a[4];
+        ldsm_x4(sP + (wm * 16 + lane % 16) * Tr::kPStride + kk * 16 + 8 * (lane / 16), a);
+        const T* v_frag = sK + (kk * 16 + lane % 16) * kStride + wn * Tr::kOCols + 8 * (lane / 16);
+#pragma unroll
+        for (int j2 = 0; j2 < Tr::kOTiles / 2; ++j2) {
+          uint32_t bv[4];
+          ldsm_x4_trans(v_frag + j2 * 16, bv);
+          mma16816<T>(acc_o[2 * j2], a, bv[0], bv[1]);
+          mma16816<T>(acc_o[2 * j2 + 1], a, bv[2], bv[3]);
+        }
+      }
+    }
+
+    // Epilogue: row sums across the quad and the kWarpsN column warps.
+#pragma unroll
+    for (int rr = 0; rr < 2; ++rr) {
+      row_sum[rr] += __shfl_xor_sync(0xffffffffu, row_sum[rr], 1);
+      row_sum[rr] += __shfl_xor_sync(0xffffffffu, row_sum[rr], 2);
+    }
+    __syncthreads();  // sRed's last readers are done
+#pragma unroll
+    for (int rr = 0; rr < 2; ++rr) {
+      if (tig == 0) sRed[wn * kBlockM + wm * 16 + g + rr * 8] = row_sum[rr];
+    }
+    __syncthreads();
+    const bool bad = !len_ok || s_bad_page != 0;
+    const bool split = splits > 1;
+#pragma unroll
+    for (int rr = 0; rr < 2; ++rr) {
+      const int row = m0 + wm * 16 + g + rr * 8;
+      if (row >= rows) continue;
+      float total = 0.f;
+#pragma unroll
+      for (int w = 0; w < Tr::kWarpsN; ++w) total += sRed[w * kBlockM + wm * 16 + g + rr * 8];
+      float lse, scale;
+      if (bad) {
+        lse = NAN;
+        scale = NAN;
+      } else if (total > 0.f) {
+        lse = row_max[rr] * kLn2 + logf(total);
+        scale = kv_scale / total;
+      } else {
+        lse = -INFINITY;  // nothing visible: out 0
+        scale = 0.f;
+      }
+      const int64_t out_row = split ? int64_t{item} * rows + row : int64_t{b} * rows + row;
+      if (split) {
+        float* dst = ws.out_accum + out_row * Tr::kDimNope + wn * Tr::kOCols + 2 * tig;
+#pragma unroll
+        for (int j = 0; j < Tr::kOTiles; ++j)
+          *reinterpret_cast<float2*>(dst + j * 8) =
+              make_float2(acc_o[j][2 * rr] * scale, acc_o[j][2 * rr + 1] * scale);
+        if (wn == 0 && tig == 0) ws.lse_accum[out_row] = lse;
+      } else {
+        T* dst = static_cast<T*>(p.out) + out_row * Tr::kDimNope + wn * Tr::kOCols + 2 * tig;
+#pragma unroll
+        for (int j = 0; j < Tr::kOTiles; ++j)
+          *reinterpret_cast<uint32_t*>(dst + j * 8) = pack2<T>(acc_o[j][2 * rr] * scale, acc_o[j][2 * rr + 1] * scale);
+        if (wn == 0 && tig == 0) p.lse[out_row] = lse;
+      }
+    }
+  }
+}
+
+template <typename Tr>
+cudaError_t launch_decode(const PagedDecodeParams& p, const DecodeWorkspace& ws, cudaStream_t stream) {
+  auto kernel = decode_kernel<Tr>;
+  // Per call, not cached: the attribute belongs to the current device.
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes);
+  if (err != cudaSuccess) return err;
+  const int rows = p.rows_per_request();
+  dim3 grid(ws.num_parts, (rows + Tr::kBlockM - 1) / Tr::kBlockM);
+  kernel<<<grid, Tr::kThreads, Tr::kSmemBytes, stream>>>(p, ws);
+  return cudaGetLastError();
+}
+
+// Picks the row-block size from q_len x heads (see rows_per_cta).
+template <typename QType, typename KvType>
+cudaError_t dispatch_decode(const PagedDecodeParams& p, const DecodeWorkspace& ws, cudaStream_t stream) {
+  switch (rows_per_cta(p.rows_per_request())) {
+    case 16: return launch_decode<DecodeTraits<QType, KvType, 16, 64>>(p, ws, stream);
+    case 32: return launch_decode<DecodeTraits<QType, KvType, 32, 64>>(p, ws, stream);
+    default: return launch_decode<DecodeTraits<QType, KvType, 64, 32>>(p, ws, stream);
+  }
+}
+
+}  // namespace sm80
+}  // namespace mla_jax

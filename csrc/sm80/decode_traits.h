@@ -1,0 +1,72 @@
+// Tile configuration of the portable split-KV decode kernel.
+//
+// A CTA of 8 warps computes kBlockM query rows (q_len x heads of one
+// request) against kBlockN-token KV tiles. For S = Q K^T the warps form a
+// kWarpsM x kWarpsN grid (16 rows x kBlockN/kWarpsN tokens each); for
+// O += P V the same grid splits O's 512 columns kWarpsN ways, so each warp
+// owns 16 rows x 512/kWarpsN outputs in registers. Rows padded by 8
+// elements (16 bytes) make every ldmatrix phase hit 8 distinct bank groups.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
+#include <type_traits>
+
+namespace mla_jax {
+namespace sm80 {
+
+template <typename QType_, typename KvType_, int kBlockM_, int kBlockN_>
+struct DecodeTraits {
+  using QType = QType_;    // __nv_bfloat16 or __half; also the MMA and output type
+  using KvType = KvType_;  // QType, or __nv_fp8_e4m3 (converted to QType in smem)
+  static constexpr bool kFp8Kv = std::is_same_v<KvType, __nv_fp8_e4m3>;
+
+  static constexpr int kDimNope = 512;  // kv_lora_rank
+  static constexpr int kDimRope = 64;   // qk_rope_head_dim
+  static constexpr int kDimQK = kDimNope + kDimRope;
+
+  static constexpr int kBlockM = kBlockM_;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kWarps = 8;
+  static constexpr int kThreads = kWarps * 32;
+  static constexpr int kWarpsM = kBlockM / 16;
+  static constexpr int kWarpsN = kWarps / kWarpsM;
+  static constexpr int kSCols = kBlockN / kWarpsN;   // S columns per warp (8 or 16)
+  static constexpr int kSTiles = kSCols / 8;
+  static constexpr int kOCols = kDimNope / kWarpsN;  // O columns per warp
+  static constexpr int kOTiles = kOCols / 8;
+  static constexpr int kStages = 2;
+  static_assert(kBlockM % 16 == 0 && kWarps % kWarpsM == 0);
+  static_assert(kSTiles == 1 || kSTiles == 2);
+  static_assert(kBlockN % 16 == 0 && 64 % kBlockN == 0);
+
+  // Shared memory (bytes). Q and the MMA-ready KV tile hold QType rows of
+  // kRowStride elements; an FP8 cache lands in a byte staging buffer first.
+  static constexpr int kRowStride = kDimQK + 8;
+  static constexpr int kPStride = kBlockN + 8;
+  static constexpr int kKvChunks = kDimQK * sizeof(KvType) / 16;  // 16-byte chunks per cache row
+  static constexpr int kNopeChunks = kDimNope * sizeof(KvType) / 16;
+  static constexpr int kKvRowBytes = kFp8Kv ? kDimQK + 16 : kRowStride * 2;
+  static constexpr int kQBytes = kBlockM * kRowStride * 2;
+  static constexpr int kStageBytes = kBlockN * kKvRowBytes;
+  static constexpr int kConvertedBytes = kFp8Kv ? kBlockN * kRowStride * 2 : 0;
+  static constexpr int kPBytes = kBlockM * kPStride * 2;
+  static constexpr int kRedBytes = kWarpsN * kBlockM * 4;
+  static constexpr int kSmemQ = 0;
+  static constexpr int kSmemKv = kSmemQ + kQBytes;
+  static constexpr int kSmemConverted = kSmemKv + kStages * kStageBytes;
+  static constexpr int kSmemP = kSmemConverted + kConvertedBytes;
+  static constexpr int kSmemRed = kSmemP + kPBytes;
+  static constexpr int kSmemBytes = kSmemRed + kRedBytes;
+
+  // Global->shared copies: 8 threads per row, 16 bytes each, 32 rows a pass.
+  static constexpr int kThreadsPerRow = 8;
+  static constexpr int kRowsPerPass = kThreads / kThreadsPerRow;
+  static constexpr int kKvPasses = (kBlockN + kRowsPerPass - 1) / kRowsPerPass;
+  static constexpr int kKvChunksPerThread = (kKvChunks + kThreadsPerRow - 1) / kThreadsPerRow;
+};
+
+}  // namespace sm80
+}  // namespace mla_jax

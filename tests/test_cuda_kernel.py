@@ -1,0 +1,141 @@
+"""CUDA-kernel specific checks: every tile config, split paths, FP8, determinism.
+
+Each case poisons the device allocator with NaN first (so an output element
+the kernels forget to write shows up as NaN) and compares to the float64
+reference on fresh random data.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import mla_jax
+from mla_jax.testing import random_paged_inputs, reference_paged_decode
+
+pytestmark = pytest.mark.gpu
+
+SM_SCALE = 1 / 192**0.5
+
+
+def _poison_allocator():
+  # Fill (then free) a large block so fresh XLA buffers start as NaN.
+  x = jnp.full((64 << 20,), jnp.nan, jnp.float32)
+  x.block_until_ready()
+  del x
+
+
+def _run(d, plan, dtype, *, kv_dtype=None, kv_scale=None):
+  q = jnp.asarray(d["query"], dtype)
+  kv = jnp.asarray(d["kv_cache"], kv_dtype or dtype)
+  scale = None if kv_scale is None else jnp.float32(kv_scale)
+  _poison_allocator()
+  out, lse = mla_jax.paged_decode(q, kv, jnp.asarray(d["block_table"]), jnp.asarray(d["seq_lens"]),
+                                  plan=plan, return_lse=True, kv_scale=scale)
+  ref_out, ref_lse = reference_paged_decode(np.asarray(q.astype(jnp.float32)),
+                                            np.asarray(kv.astype(jnp.float32)), d["block_table"],
+                                            d["seq_lens"], plan, kv_scale=kv_scale or 1.0)
+  return np.asarray(out.astype(jnp.float32)), np.asarray(lse), ref_out, ref_lse
+
+
+def _check(out, lse, ref_out, ref_lse, tol=1e-2):
+  bad = np.isnan(ref_lse)
+  np.testing.assert_array_equal(np.isnan(lse), bad, err_msg="NaN pattern of lse")
+  assert np.all(np.isnan(out[bad])), "invalid requests must give NaN out"
+  ok = ~bad
+  assert np.all(np.isfinite(out[ok])), "non-finite output in a valid row"
+  denom = max(np.linalg.norm(ref_out[ok]), 1e-6)
+  rel = np.linalg.norm(out[ok] - ref_out[ok]) / denom
+  assert rel <= tol, f"relative error {rel:.3g} > {tol}"
+  np.testing.assert_array_equal(np.isneginf(lse[ok]), np.isneginf(ref_lse[ok]))
+  fin = np.isfinite(ref_lse) & ok
+  np.testing.assert_allclose(lse[fin], ref_lse[fin], atol=2e-2, rtol=1e-3)
+  return rel
+
+
+@pytest.mark.parametrize("heads", [1, 12, 16, 32, 64, 96, 128])
+@pytest.mark.parametrize("q_len", [1, 2])
+def test_row_block_configs(heads, q_len):
+  rng = np.random.default_rng(heads * 10 + q_len)
+  lens = [0, 1, 63, 64, 65, 700, 3000]
+  d = random_paged_inputs(rng, lens, num_heads=heads, page_size=64, q_len=q_len)
+  plan = mla_jax.DecodePlan(num_heads=heads, page_size=64, sm_scale=SM_SCALE, q_len=q_len,
+                            backend="cuda")
+  _check(*_run(d, plan, jnp.bfloat16))
+
+
+@pytest.mark.parametrize("page_size", [1, 16, 256])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_page_sizes_and_dtypes(page_size, dtype):
+  rng = np.random.default_rng(page_size)
+  lens = [page_size - 1 if page_size > 1 else 1, page_size, page_size + 1, 1500]
+  d = random_paged_inputs(rng, lens, num_heads=16, page_size=page_size, q_len=1)
+  plan = mla_jax.DecodePlan(num_heads=16, page_size=page_size, sm_scale=SM_SCALE, backend="cuda")
+  _check(*_run(d, plan, dtype))
+
+
+@pytest.mark.parametrize("max_num_splits", [None, 1, 3])
+def test_long_single_request_splits(max_num_splits):
+  rng = np.random.default_rng(7)
+  d = random_paged_inputs(rng, [20000], num_heads=128, page_size=64, q_len=1)
+  plan = mla_jax.DecodePlan(num_heads=128, page_size=64, sm_scale=SM_SCALE, backend="cuda",
+                            max_num_splits=max_num_splits)
+  _check(*_run(d, plan, jnp.bfloat16))
+
+
+def test_mtp_causal_split():
+  rng = np.random.default_rng(11)
+  d = random_paged_inputs(rng, [1, 2, 3, 9000, 64], num_heads=16, page_size=64, q_len=4)
+  plan = mla_jax.DecodePlan(num_heads=16, page_size=64, sm_scale=SM_SCALE, q_len=4, backend="cuda")
+  _check(*_run(d, plan, jnp.bfloat16))
+
+
+def test_bad_inputs_give_nan_rows_even_when_split():
+  rng = np.random.default_rng(3)
+  d = random_paged_inputs(rng, [9000, 9000, 100, 100, 50], num_heads=16, page_size=64)
+  d["block_table"][0, 100] = d["kv_cache"].shape[0] + 5     # out of range, live, in a split request
+  d["block_table"][2, 0] = -7                               # negative live page id
+  d["seq_lens"][3] = d["block_table"].shape[1] * 64 + 1     # over-long
+  d["seq_lens"][4] = -3                                     # negative
+  plan = mla_jax.DecodePlan(num_heads=16, page_size=64, sm_scale=SM_SCALE, backend="cuda")
+  out, lse, ref_out, ref_lse = _run(d, plan, jnp.bfloat16)
+  assert np.isnan(ref_lse[[0, 2, 3, 4]]).all() and np.isfinite(ref_lse[1]).all()
+  _check(out, lse, ref_out, ref_lse)
+
+
+def test_fp8_cache():
+  rng = np.random.default_rng(5)
+  d = random_paged_inputs(rng, [1, 500, 5000], num_heads=64, page_size=64)
+  plan = mla_jax.DecodePlan(num_heads=64, page_size=64, sm_scale=SM_SCALE, backend="cuda")
+  _check(*_run(d, plan, jnp.bfloat16, kv_dtype=jnp.float8_e4m3fn, kv_scale=0.37), tol=2e-2)
+
+
+def test_split_layouts_match_packed_bitwise():
+  rng = np.random.default_rng(9)
+  d = random_paged_inputs(rng, [300, 4000], num_heads=16, page_size=64)
+  plan = mla_jax.DecodePlan(num_heads=16, page_size=64, sm_scale=SM_SCALE, backend="cuda")
+  q = jnp.asarray(d["query"][:, 0], jnp.bfloat16)
+  kv = jnp.asarray(d["kv_cache"], jnp.bfloat16)
+  args = (jnp.asarray(d["block_table"]), jnp.asarray(d["seq_lens"]))
+  packed = mla_jax.paged_decode(q, kv, *args, plan=plan)
+  split = mla_jax.paged_decode((q[..., :512], q[..., 512:]), (kv[..., :512], kv[..., 512:]), *args,
+                               plan=plan)
+  np.testing.assert_array_equal(np.asarray(packed.astype(jnp.float32)), np.asarray(split.astype(jnp.float32)))
+
+
+def test_deterministic_and_matches_cpu_backend():
+  rng = np.random.default_rng(13)
+  lens = rng.integers(1, 6000, size=24).astype(np.int32)
+  d = random_paged_inputs(rng, lens, num_heads=128, page_size=64)
+  plan = mla_jax.DecodePlan(num_heads=128, page_size=64, sm_scale=SM_SCALE, backend="cuda")
+  q = jnp.asarray(d["query"][:, 0], jnp.bfloat16)
+  kv = jnp.asarray(d["kv_cache"], jnp.bfloat16)
+  bt, sl = jnp.asarray(d["block_table"]), jnp.asarray(d["seq_lens"])
+  runs = []
+  for _ in range(3):
+    _poison_allocator()
+    runs.append(np.asarray(mla_jax.paged_decode(q, kv, bt, sl, plan=plan).astype(jnp.float32)))
+  for r in runs[1:]:
+    np.testing.assert_array_equal(r, runs[0])
