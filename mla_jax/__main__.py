@@ -1,0 +1,68 @@
+"""Command line: `python -m mla_jax info` and `python -m mla_jax demo`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def info(out=sys.stdout) -> int:
+  import jax
+  import jaxlib
+
+  import mla_jax
+  from mla_jax import _ffi
+
+  p = lambda *a: print(*a, file=out)
+  p(f"mla_jax {mla_jax.__version__} ({mla_jax.__file__})")
+  p(f"jax {jax.__version__}, jaxlib {jaxlib.__version__}")
+  if _ffi.has_extension():
+    backends = ["cpu"] + (["cuda"] if _ffi.has_cuda_kernels() else [])
+    p(f"compiled backends: {', '.join(backends)} (plus 'xla', the pure-JAX reference)")
+  else:
+    p(f"compiled backends: none -- the extension failed to import: {_ffi._IMPORT_ERROR}")
+    p("  only backend 'xla' (pure JAX) is usable")
+  p(f"CUDA archs: {_ffi.cuda_archs() or '-- (built without CUDA kernels)'}")
+  p(f"JAX default backend: {jax.default_backend()}")
+  p("JAX devices:")
+  for platform in ("cuda", "rocm", "tpu", "cpu"):
+    try:
+      devices = jax.devices(platform)
+    except RuntimeError:  # that platform is not present
+      continue
+    for d in devices:
+      p(f"  {platform}:{d.id}  {d.device_kind}")
+  return 0
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(prog="python -m mla_jax",
+                                   description="Paged MLA decode for JAX.")
+  sub = parser.add_subparsers(dest="command", required=True)
+  sub.add_parser("info", help="version, compiled backends, CUDA archs, JAX devices")
+  demo = sub.add_parser("demo", help="one decode step at DeepSeek-V3 shapes: check and time it")
+  demo.add_argument("--backend", default="auto", choices=("auto", "cuda", "cpu", "xla"),
+                    help="DecodePlan.backend (default auto: cuda on a GPU, cpu otherwise)")
+  demo.add_argument("--scale", type=int, default=None,
+                    help="divide every sequence length by this (default: 1 on a GPU, 32 otherwise)")
+  demo.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
+  demo.add_argument("--heads", type=int, nargs="+", default=[128, 16],
+                    help="head counts to run (default: 128 16)")
+  demo.add_argument("--scenario", nargs="+", choices=("single", "batch8", "mix"), default=None,
+                    help="run only these batches (default: all)")
+  args = parser.parse_args(argv)
+  if args.command == "info":
+    return info()
+  if args.scale is not None and args.scale < 1:
+    parser.error("--scale must be >= 1")
+  from mla_jax import demo as demo_mod
+  try:
+    return demo_mod.run(backend=args.backend, scale=args.scale, dtype=args.dtype,
+                        heads=tuple(args.heads), only=args.scenario)
+  except RuntimeError as e:  # e.g. backend 'cuda' requested but not compiled in
+    print(f"demo failed: {e}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+  sys.exit(main())
