@@ -444,48 +444,76 @@ def test_check_inputs_validates_shapes():
 DATA_MOVEMENT = re.compile(
     r"\s(copy|concatenate|slice|dynamic-slice|dynamic-update-slice|gather|transpose|pad|"
     r"copy-start|reverse)\(")
-# The only instructions the entry computation may hold.
-ENTRY_ALLOWED = {"parameter", "constant", "bitcast", "custom-call", "get-tuple-element", "tuple"}
+# The only instructions the entry computation (and computations it calls,
+# e.g. a GPU command buffer) may hold.
+ENTRY_ALLOWED = {"parameter", "constant", "bitcast", "custom-call", "get-tuple-element", "tuple",
+                 "call"}
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%(\S+)\s=\s.*?\s([a-z][\w\-]*)\((.*)$")
 KERNEL_TARGETS = {"cpu": "mla_jax_paged_decode_cpu", "cuda": "mla_jax_paged_decode_cuda"}
 
 
-def entry_instructions(hlo: str):
-  """{name: (opcode, operand names)} of the ENTRY computation."""
-  body = hlo[hlo.index("\nENTRY "):]
-  body = body[body.index("{\n") + 2:body.index("\n}")]
-  instrs = {}
-  for line in body.splitlines():
-    m = _INSTR.match(line)
-    assert m, f"cannot parse HLO line: {line}"
-    name, op, rest = m.groups()
-    depth, args = 1, ""
-    for ch in rest:  # the operand list up to the matching ')'
-      depth += (ch == "(") - (ch == ")")
-      if depth == 0:
-        break
-      args += ch
-    instrs[name] = (op, re.findall(r"%([\w.\-]+)", args))
-  return instrs
+def hlo_computations(hlo: str):
+  """({computation: {instruction: (opcode, operands, attrs)}}, entry name)."""
+  comps, entry, cur = {}, None, None
+  for line in hlo.splitlines():
+    if not line.startswith(" ") and line.rstrip().endswith("{") and "%" in line.split("(")[0]:
+      name = line.split("(")[0].replace("ENTRY", "").strip().lstrip("%")
+      comps[name], cur = {}, name
+      if line.startswith("ENTRY "):
+        entry = name
+    elif line.startswith("}"):
+      cur = None
+    elif cur is not None and line.strip():
+      m = _INSTR.match(line)
+      assert m, f"cannot parse HLO line: {line}"
+      name, op, rest = m.groups()
+      depth = 1
+      for i, ch in enumerate(rest):  # the operand list up to the matching ')'
+        depth += (ch == "(") - (ch == ")")
+        if depth == 0:
+          break
+      args, attrs = rest[:i], rest[i + 1:]
+      operands = re.findall(r"%([\w.\-]+)", args) if op != "parameter" else [int(args)]
+      comps[cur][name] = (op, operands, attrs)
+  assert entry is not None, "no ENTRY computation"
+  return comps, entry
 
 
 def data_movement_problems(hlo: str, target: str):
   """Why this module is not a zero-copy kernel call (empty list: it is)."""
   problems = [f"data movement: {m.group(1)}(" for m in DATA_MOVEMENT.finditer(hlo)]
-  instrs = entry_instructions(hlo)
-  for name, (op, _) in instrs.items():
-    if op not in ENTRY_ALLOWED:
-      problems.append(f"entry instruction {name} is a {op}")
-  calls = [(name, args) for name, (op, args) in instrs.items() if op == "custom-call"]
-  if len(calls) != 1:
-    return problems + [f"expected one custom-call, got {len(calls)}"]
-  if f'custom_call_target="{target}"' not in hlo:
-    problems.append(f"custom call target {target} missing")
-  for operand in calls[0][1][:4]:  # q_nope, q_pe, ckv, kpe
-    op, args = instrs[operand]
-    while op == "bitcast":
-      op, args = instrs[args[0]]
-    if op != "parameter":
+  comps, entry = hlo_computations(hlo)
+  # Walk the entry and the computations it calls; remember who called whom.
+  callers, todo, kernel_calls = {entry: None}, [entry], []
+  while todo:
+    comp = todo.pop()
+    for name, (op, operands, attrs) in comps[comp].items():
+      if op not in ENTRY_ALLOWED:
+        problems.append(f"entry instruction {name} is a {op}")
+      if op == "call":
+        callee = re.search(r"to_apply=%([\w.\-]+)", attrs).group(1)
+        callers[callee] = (comp, operands)
+        todo.append(callee)
+      if op == "custom-call" and f'custom_call_target="{target}"' in attrs:
+        kernel_calls.append((comp, operands))
+  if len(kernel_calls) != 1:
+    return problems + [f"expected one {target} custom-call, got {len(kernel_calls)}"]
+
+  def source(comp, name):
+    """Follows bitcasts and call parameters back to where a value is made."""
+    while True:
+      op, operands, _ = comps[comp][name]
+      if op == "bitcast":
+        name = operands[0]
+      elif op == "parameter" and callers[comp] is not None:
+        comp, name = callers[comp][0], callers[comp][1][operands[0]]
+      else:
+        return comp, op
+
+  comp, operands = kernel_calls[0]
+  for operand in operands[:4]:  # q_nope, q_pe, ckv, kpe
+    where, op = source(comp, operand)
+    if op != "parameter" or where != entry:
       problems.append(f"kernel operand {operand} is not an entry parameter (it is a {op})")
   return problems
 
@@ -543,4 +571,39 @@ def test_hlo_check_detects_copies():
 
   # The pure-JAX backend gathers pages: no kernel call, lots of data movement.
   problems = data_movement_problems(_compiled_hlo("xla", "BQHD", "packed"), KERNEL_TARGETS["cpu"])
-  assert any("gather" in p for p in problems) and any("custom-call" in p for p in problems), problems
+  assert any("gather" in p for p in problems) and any("custom-call, got 0" in p for p in problems), problems
+
+
+_CALL_HLO = """HloModule m, entry_computation_layout={(bf16[2,2,4,576]{3,2,1,0})->bf16[2,2,4,512]{3,2,1,0}}
+
+%command_buffer (p0: bf16[2,2,4,576], p1: bf16[6,16,576], p2: s32[2,2], p3: s32[2], p4: f32[1]) -> (bf16[2,2,4,512], f32[2,2,4]) {
+  %p0 = bf16[2,2,4,576]{3,2,1,0} parameter(0)
+  %p1 = bf16[6,16,576]{2,1,0} parameter(1)
+  %p2 = s32[2,2]{1,0} parameter(2)
+  %p3 = s32[2]{0} parameter(3)
+  %p4 = f32[1]{0} parameter(4)
+  ROOT %cc = (bf16[2,2,4,512]{3,2,1,0}, f32[2,2,4]{2,1,0}) custom-call(%p0, %p0, %p1, %p1, %p2, /*index=5*/%p3, %p4), custom_call_target="mla_jax_paged_decode_cuda"
+}
+
+ENTRY %main (q: bf16[2,2,4,576], kv: bf16[6,16,576], bt: s32[2,2], sl: s32[2]) -> (bf16[2,2,4,512], f32[2,2,4]) {
+  %q = bf16[2,2,4,576]{3,2,1,0} parameter(0)
+  %kv = bf16[6,16,576]{2,1,0} parameter(1)
+  %bt = s32[2,2]{1,0} parameter(2)
+  %sl = s32[2]{0} parameter(3)
+  %c = f32[1]{0} constant({1})
+  %kvb = bf16[6,16,576]{2,1,0} bitcast(%kv)
+  ROOT %call = (bf16[2,2,4,512]{3,2,1,0}, f32[2,2,4]{2,1,0}) call(%q, %kvb, %bt, %sl, %c), to_apply=%command_buffer
+}
+"""
+
+
+def test_hlo_check_follows_calls():
+  """A kernel inside a called computation (a GPU command buffer) is traced back."""
+  assert data_movement_problems(_CALL_HLO, KERNEL_TARGETS["cuda"]) == []
+  copied = _CALL_HLO.replace("%kvb = bf16[6,16,576]{2,1,0} bitcast(%kv)",
+                             "%kvb = bf16[6,16,576]{2,1,0} copy(%kv)")
+  problems = data_movement_problems(copied, KERNEL_TARGETS["cuda"])
+  assert "data movement: copy(" in problems
+  assert any("kernel operand p1 is not an entry parameter (it is a copy)" in p for p in problems)
+  assert data_movement_problems(_CALL_HLO, KERNEL_TARGETS["cpu"]) == [
+      "expected one mla_jax_paged_decode_cpu custom-call, got 0"]
