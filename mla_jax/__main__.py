@@ -3,7 +3,44 @@
 from __future__ import annotations
 
 import argparse
+import importlib.machinery
+import os
 import sys
+
+_SRC = os.path.dirname(os.path.abspath(__file__))
+
+
+def _installed_elsewhere():
+  """Spec of an installed mla_jax other than this folder (None if there is none)."""
+  paths = [p for p in sys.path if os.path.abspath(p or os.curdir) != os.path.dirname(_SRC)]
+  spec = importlib.machinery.PathFinder.find_spec("mla_jax", paths)
+  if spec is None or spec.origin is None or os.path.dirname(os.path.abspath(spec.origin)) == _SRC:
+    return None
+  return spec
+
+
+def _use_installed_copy(argv):
+  """Re-runs from the installed package when `python -m mla_jax` picked the source tree.
+
+  `python -m` puts the current directory first on sys.path, so in the repo
+  root after a regular `pip install .` it imports the bare source folder,
+  which holds no compiled extension. Python >= 3.11's -P leaves the current
+  directory out; older Pythons get a hint instead (see _source_tree_hint).
+  """
+  from mla_jax import _ffi
+  if (_ffi.has_extension() or os.environ.get("_MLA_JAX_REEXEC") or sys.version_info < (3, 11)
+      or _installed_elsewhere() is None):
+    return
+  env = dict(os.environ, _MLA_JAX_REEXEC="1")
+  os.execve(sys.executable, [sys.executable, "-P", "-m", "mla_jax", *argv], env)
+
+
+def _source_tree_hint() -> str:
+  if not os.path.exists(os.path.join(os.path.dirname(_SRC), "pyproject.toml")):
+    return ""
+  return (f"  mla_jax was imported from its source tree ({_SRC}), which has no compiled "
+          "extension: build it with `pip install -e .`, or run from another directory "
+          "after `pip install .`")
 
 
 def info(out=sys.stdout) -> int:
@@ -22,6 +59,8 @@ def info(out=sys.stdout) -> int:
   else:
     p(f"compiled backends: none -- the extension failed to import: {_ffi._IMPORT_ERROR}")
     p("  only backend 'xla' (pure JAX) is usable")
+    if _source_tree_hint():
+      p(_source_tree_hint())
   p(f"CUDA archs: {_ffi.cuda_archs() or '-- (built without CUDA kernels)'}")
   p(f"JAX default backend: {jax.default_backend()}")
   p("JAX devices:")
@@ -51,6 +90,8 @@ def main(argv=None) -> int:
   demo.add_argument("--scenario", nargs="+", choices=("single", "batch8", "mix"), default=None,
                     help="run only these batches (default: all)")
   args = parser.parse_args(argv)
+  if argv is None:  # the command line
+    _use_installed_copy(sys.argv[1:])
   if args.command == "info":
     return info()
   if args.scale is not None and args.scale < 1:
@@ -61,6 +102,9 @@ def main(argv=None) -> int:
                         heads=tuple(args.heads), only=args.scenario)
   except RuntimeError as e:  # e.g. backend 'cuda' requested but not compiled in
     print(f"demo failed: {e}", file=sys.stderr)
+    from mla_jax import _ffi
+    if not _ffi.has_extension() and _source_tree_hint():
+      print(_source_tree_hint(), file=sys.stderr)
     return 2
 
 
