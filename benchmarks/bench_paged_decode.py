@@ -1,0 +1,715 @@
+#!/usr/bin/env python3
+"""Benchmark of mla_jax.paged_decode against the pure-JAX "xla" backend and FlashMLA.
+
+Runs a fixed list of paged MLA decode shapes (DeepSeek latent cache: 512 ckv +
+64 kpe = 576 features per token, page size 64, bf16, random normal data,
+sm_scale 1/sqrt(192), causal for q_len > 1) and, for each, times
+
+  * the op a user calls: ``jax.jit``-ed ``mla_jax.paged_decode`` with backend
+    "auto" (on a GPU: on-device scheduler + split kernel + combine), and
+  * the "xla" backend (gather every page + einsums) in the same process,
+
+checks each result on a few requests against the float64 NumPy reference
+(``mla_jax.testing.reference_paged_decode``), and reports µs, TFLOP/s, GB/s,
+the share of the copy/matmul ceilings measured in the same run, the ratio to
+XLA, and the ratio to FlashMLA's published H200 figure (anchors file).
+
+Timing method (no profiler; JAX has no public CUDA-event API): one jitted
+program runs the op n times back to back. Call i reads its own query copy
+(so XLA cannot merge two calls by CSE) and cache copy i % R, with R copies
+when one cache is small so that the rotation set exceeds 2x L2 (the data of
+a call is never warm in L2 from an earlier call). Call i+1's small operands
+pass through ``lax.optimization_barrier`` together with call i's result, which
+serialises the calls (one call's temporaries live at a time). Two programs,
+n_lo and n_hi calls, take the same arguments; each repetition times both with
+``block_until_ready`` and the wall clock, and the per-call time is the slope
+(t_hi - t_lo) / (n_hi - n_lo), which cancels the fixed dispatch/launch/sync
+cost. The reported µs is the median slope over the repetitions; ``us_wall``
+(t_hi / n_hi, median) is kept too. The op is called with return_lse=True
+(the kernels write the LSE either way) so the check can use it.
+
+Run ``python benchmarks/bench_paged_decode.py --help`` for the options; see
+benchmarks/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import functools
+import gc
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+PAGE_SIZE = 64
+D_QK, D_V = 576, 512
+SM_SCALE = 1.0 / math.sqrt(192.0)
+NOMINAL_BW = 4.3e12      # B/s, device copy counting read+write (earlier H200 sessions)
+NOMINAL_MM = 790e12      # FLOP/s, bf16 matmul (earlier H200 sessions)
+FLASHINFER_NOTE = "not measured (FlashInfer MLA is not installed on the device; no internet)"
+
+
+# --------------------------------------------------------------------------------------------
+# Rows
+# --------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Row:
+  b: int
+  q: int
+  h: int
+  sk: int
+  varlen: bool = False
+
+  @property
+  def name(self) -> str:
+    return f"b{self.b}q{self.q}h{self.h}s{self.sk}" + ("v" if self.varlen else "")
+
+  @property
+  def causal(self) -> bool:
+    return self.q > 1
+
+  def seq_lens(self) -> np.ndarray:
+    """Per-request cache lengths. varlen: N(sk, sk/2) clipped to [q, 2 sk], numpy seed 0."""
+    if not self.varlen:
+      return np.full(self.b, self.sk, np.int32)
+    rng = np.random.default_rng(0)
+    s = rng.normal(self.sk, self.sk / 2, self.b)
+    return np.clip(s, self.q, 2 * self.sk).astype(np.int32)
+
+
+ROWS = [
+    Row(128, 1, 128, 4096),
+    Row(128, 1, 128, 8192),
+    Row(128, 2, 128, 4096),
+    Row(128, 1, 64, 8192),
+    Row(128, 1, 16, 4096),
+    Row(128, 1, 16, 8192),
+    Row(128, 1, 16, 32768),
+    Row(64, 1, 16, 8192),
+    Row(1, 1, 128, 4096),
+    Row(32, 1, 128, 4096),
+    Row(16, 1, 128, 32768),
+    Row(128, 1, 128, 4096, varlen=True),
+    Row(1, 1, 12, 76800),
+    Row(8, 1, 12, 42000),
+    Row(8, 1, 96, 42000),
+    Row(8, 2, 12, 42000),
+    Row(8, 4, 12, 42000),
+]
+
+
+def smoke_row(r: Row) -> Row:
+  """A CPU-sized version of a row: same structure (varlen, q_len, multi-page requests)."""
+  return Row(min(r.b, 3), r.q, min(r.h, 16), max(2 * r.q, r.sk // 128), r.varlen)
+
+
+def select_rows(rows, spec):
+  if not spec:
+    return list(enumerate(rows))
+  keep = []
+  for tok in (t.strip() for t in spec.split(",")):
+    if not tok:
+      continue
+    if tok.isdigit():
+      i = int(tok)
+      if not 0 <= i < len(rows):
+        raise SystemExit(f"--rows: index {i} out of range 0..{len(rows) - 1}")
+      keep.append(i)
+    else:
+      hits = [i for i, r in enumerate(rows) if r.name == tok] or \
+             [i for i, r in enumerate(rows) if tok in r.name]
+      if not hits:
+        raise SystemExit(f"--rows: no row matches {tok!r}; names: "
+                         + " ".join(r.name for r in rows))
+      keep.extend(hits)
+  seen = sorted(set(keep))
+  return [(i, rows[i]) for i in seen]
+
+
+def row_counts(row: Row, seq: np.ndarray):
+  sum_seq = int(seq.sum())
+  flops = 2 * row.q * sum_seq * row.h * (D_QK + D_V)
+  nbytes = (sum_seq * D_QK + row.b * row.q * row.h * (D_QK + D_V)) * 2
+  return sum_seq, flops, nbytes
+
+
+def floor_us(flops, nbytes, bw, mm):
+  return max(nbytes / bw, flops / mm) * 1e6
+
+
+# --------------------------------------------------------------------------------------------
+# Anchors (peer figures). The package never reads these; only this script does.
+# --------------------------------------------------------------------------------------------
+def find_anchors(arg):
+  cands = [Path(arg)] if arg else [REPO / "shared" / "anchors", REPO.parent / "shared" / "anchors",
+                                   REPO / "anchors"]
+  for c in cands:
+    if c.is_file():
+      c = c.parent
+    if (c / "flashmla_h200.json").is_file():
+      return c
+  return None
+
+
+def load_anchors(adir):
+  out = {"dir": str(adir) if adir else None, "flashmla": {}, "xla_einsum": {}, "error": None}
+  if adir is None:
+    out["error"] = "anchors dir not found (pass --anchors)"
+    return out
+  try:
+    for r in json.loads((adir / "flashmla_h200.json").read_text()):
+      if r.get("kind") == "dense_bf16":
+        key = (r["b"], r["s_q"], r["h"], r["sk"], bool(r.get("varlen", False)))
+        # Σseq implied by the anchor's own TFLOP/s (differs from ours for varlen rows).
+        sum_seq = r["tflops"] * 1e12 * r["us"] * 1e-6 / (2 * r["s_q"] * r["h"] * (D_QK + D_V))
+        out["flashmla"][key] = dict(us=r["us"], sum_seq=round(sum_seq), relerr=r.get("relerr"))
+  except Exception as e:  # noqa: BLE001 - anchors are optional
+    out["error"] = f"flashmla_h200.json: {type(e).__name__}: {e}"
+  try:
+    p = adir / "xla_einsum_h200.json"
+    if p.is_file():
+      for b, h, seq, us, *_ in json.loads(p.read_text()):
+        out["xla_einsum"][(b, 1, h, seq, False)] = us
+  except Exception as e:  # noqa: BLE001
+    out["error"] = (out["error"] or "") + f" xla_einsum_h200.json: {type(e).__name__}: {e}"
+  return out
+
+
+# --------------------------------------------------------------------------------------------
+# Timing helpers
+# --------------------------------------------------------------------------------------------
+def _wall(fn, args):
+  import jax
+  t0 = time.perf_counter()
+  out = fn(*args)
+  jax.block_until_ready(out)
+  return time.perf_counter() - t0, out
+
+
+def time_slope(lo, hi, args, n_lo, n_hi, reps):
+  """Per-call seconds: median over reps of (t_hi - t_lo) / (n_hi - n_lo); also t_hi / n_hi.
+
+  Returns (per-call s, wall_median_s, per-rep slopes, outputs of one lo run); the per-call
+  time is the median slope, or the median wall time per call if noise made the slope <= 0.
+  """
+  _, keep = _wall(lo, args)   # warm-up (first execution allocates, loads modules)
+  _wall(hi, args)
+  slopes, walls = [], []
+  for _ in range(reps):
+    t_lo, out = _wall(lo, args)
+    del out
+    t_hi, out = _wall(hi, args)
+    del out
+    slopes.append((t_hi - t_lo) / (n_hi - n_lo))
+    walls.append(t_hi / n_hi)
+  slope, wall = statistics.median(slopes), statistics.median(walls)
+  return (slope if slope > 0 else wall), wall, slopes, keep
+
+
+def chain_program(step, n, n_caches=1, feed=False):
+  """jit of n chained calls: prog(xs, caches, shared), call i = step(x_i, caches[i % n_caches], shared).
+
+  x_i is xs[i] (every call has its own operand, so no two calls can be merged
+  by XLA's CSE) or, with ``feed``, call i-1's result. Call i+1's x and shared
+  operands pass through an optimization barrier together with call i's
+  result, which orders the calls (one call's temporaries live at a time).
+  Returns every result (only the last with ``feed``).
+  """
+  import jax
+
+  def prog(xs, caches, shared):
+    outs = []
+    x = xs[0]
+    for i in range(n):
+      o = step(x, caches[i % n_caches], shared)
+      outs.append(o)
+      if i + 1 < n:
+        nxt = o if feed else xs[i + 1]
+        x, shared, _ = jax.lax.optimization_barrier((nxt, shared, o))
+    return outs[-1] if feed else outs
+  # keep_unused: the n_lo program gets the same arguments as the n_hi one, so
+  # the fixed per-call dispatch cost cancels in the slope.
+  return jax.jit(prog, keep_unused=True)
+
+
+def compile_prog(jitted, *args):
+  t0 = time.perf_counter()
+  c = jitted.lower(*args).compile()
+  return c, time.perf_counter() - t0
+
+
+# --------------------------------------------------------------------------------------------
+# Ceilings: device copy (read+write) and bf16 matmul, measured in this run
+# --------------------------------------------------------------------------------------------
+def measure_ceilings(smoke: bool, reps: int, gpu: bool):
+  import jax
+  import jax.numpy as jnp
+  res = {}
+  small = smoke or not gpu        # full sizes only on a GPU (a CPU takes minutes)
+  n_lo, n_hi = (2, 4) if small else (5, 10)
+  try:
+    # n_hi distinct 512 MiB inputs (no call can be merged or fused with another).
+    n_el = (8 << 20) if small else (256 << 20)
+    gen = jax.jit(lambda k: jax.random.normal(k, (n_el // 4096, 4096), jnp.bfloat16))
+    xs = tuple(gen(k) for k in jax.random.split(jax.random.key(1), n_hi))
+    c = (jnp.asarray(1.0, jnp.bfloat16),)
+    step = lambda y, s, _: y * s                                  # one read + one write
+    args = (xs, c, ())
+    lo, _ = compile_prog(chain_program(step, n_lo), *args)
+    hi, _ = compile_prog(chain_program(step, n_hi), *args)
+    s, w, _, keep = time_slope(lo, hi, args, n_lo, n_hi, reps)
+    del keep, xs
+    nbytes = 2 * n_el * 2
+    res["copy"] = dict(bytes_per_call=nbytes, us=s * 1e6, us_wall=w * 1e6, bw_Bps=nbytes / s,
+                       method=f"y = x_i * c, bf16, {n_el * 2 >> 20} MiB, distinct x_i; bytes = read + write")
+  except Exception as e:  # noqa: BLE001
+    res["copy"] = dict(error=f"{type(e).__name__}: {e}")
+  try:
+    m = 512 if small else 8192
+    a = jax.random.normal(jax.random.key(2), (m, m), jnp.bfloat16)
+    b = (jax.random.normal(jax.random.key(3), (m, m), jnp.float32) / math.sqrt(m)).astype(jnp.bfloat16)
+    step = lambda y, bb, _: jnp.dot(y, bb, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+    args = ((a,), (b,), ())
+    lo, _ = compile_prog(chain_program(step, n_lo, feed=True), *args)
+    hi, _ = compile_prog(chain_program(step, n_hi, feed=True), *args)
+    s, w, _, keep = time_slope(lo, hi, args, n_lo, n_hi, reps)
+    del keep
+    flops = 2 * m ** 3
+    res["matmul"] = dict(m=m, flops_per_call=flops, us=s * 1e6, us_wall=w * 1e6,
+                         flops_per_s=flops / s,
+                         method=f"y = y @ b, bf16 [{m}x{m}]@[{m}x{m}], f32 accumulate, chained")
+  except Exception as e:  # noqa: BLE001
+    res["matmul"] = dict(error=f"{type(e).__name__}: {e}")
+  if gpu:  # a result beyond the H200's datasheet means calls were merged or mis-timed
+    if res["copy"].get("bw_Bps", 0) > 1.2 * 4.8e12:
+      res["copy"]["error"] = "implausible (> 1.2x 4.8 TB/s); nominal used"
+      res["copy"]["suspect_bw_Bps"] = res["copy"].pop("bw_Bps")
+    if res["matmul"].get("flops_per_s", 0) > 1.2 * 989e12:
+      res["matmul"]["error"] = "implausible (> 1.2x 989 TFLOP/s); nominal used"
+      res["matmul"]["suspect_flops_per_s"] = res["matmul"].pop("flops_per_s")
+  res["bw_Bps"] = res["copy"].get("bw_Bps") or NOMINAL_BW
+  res["mm_flops"] = res["matmul"].get("flops_per_s") or NOMINAL_MM
+  res["measured"] = "bw_Bps" in res["copy"] and "flops_per_s" in res["matmul"]
+  return res
+
+
+# --------------------------------------------------------------------------------------------
+# One row
+# --------------------------------------------------------------------------------------------
+def make_block_table(rng, seq):
+  pages = [-(-int(n) // PAGE_SIZE) for n in seq]
+  num_pages = sum(pages) + 3
+  order = rng.permutation(num_pages).astype(np.int32)
+  bt = np.full((len(seq), max(pages)), -1, np.int32)
+  k = 0
+  for i, n in enumerate(pages):
+    bt[i, :n] = order[k:k + n]
+    k += n
+  return bt, num_pages
+
+
+def check_subset(out_lse, q0, cache0, bt, seq, plan, idx):
+  """relerr (Frobenius, out) and max |Δlse| on requests idx vs the float64 reference."""
+  import jax.numpy as jnp
+  from mla_jax.testing import reference_paged_decode
+  idx = [int(i) for i in idx]
+  # Every request has visible positions (seq_len >= q_len): all of out and lse must be finite.
+  finite = bool(jnp.all(jnp.isfinite(out_lse[0]))) and bool(jnp.all(jnp.isfinite(out_lse[1])))
+  if not finite:
+    return dict(relerr=float("nan"), lse_maxabs=float("nan"), status="FAIL(nan)", checked=idx)
+  out, lse = (np.asarray(a) for a in out_lse)
+  out = out[idx].astype(np.float64)
+  lse = lse[idx].astype(np.float64)
+  live = [-(-int(seq[i]) // PAGE_SIZE) for i in idx]
+  ids = np.concatenate([bt[i, :n] for i, n in zip(idx, live)])
+  sub_cache = np.asarray(cache0[ids])                       # only the pages the subset reads
+  sub_bt = np.full((len(idx), max(live)), -1, np.int32)
+  k = 0
+  for j, n in enumerate(live):
+    sub_bt[j, :n] = np.arange(k, k + n)
+    k += n
+  q_sub = np.asarray(q0[np.asarray(idx)])
+  ref_out, ref_lse = reference_paged_decode(q_sub, sub_cache, sub_bt, seq[idx], plan)
+  rel = float(np.linalg.norm(out - ref_out) / max(np.linalg.norm(ref_out), 1e-30))
+  dl = float(np.max(np.abs(lse - ref_lse)))
+  ok = math.isfinite(rel) and rel < 1e-2 and dl < 1e-2
+  return dict(relerr=rel, lse_maxabs=dl, status="ok" if ok else "FAIL", checked=idx)
+
+
+def run_backend(plan, data, n_lo, n_hi, reps, counts, ceil, target=None):
+  """Times one backend on one row; returns a JSON-able dict."""
+  import mla_jax
+  qs, caches, bt_d, sl_d, bt, seq, idx = data
+
+  def step(q, cache, shared):
+    block_table, seq_lens = shared
+    return mla_jax.paged_decode(q, cache, block_table, seq_lens, plan=plan, return_lse=True)
+
+  args = (tuple(qs[:n_hi]), tuple(caches), (bt_d, sl_d))
+  lo, c_lo = compile_prog(chain_program(step, n_lo, len(caches)), *args)
+  hi, c_hi = compile_prog(chain_program(step, n_hi, len(caches)), *args)
+  res = dict(backend=plan.backend, n_lo=n_lo, n_hi=n_hi, reps=reps,
+             compile_s=round(c_lo + c_hi, 3))
+  if target:  # the op must appear once per call: detects merged (CSE'd) calls
+    try:
+      k = hi.as_text().count(f'custom_call_target="{target}"')
+      res["custom_calls_in_hi"] = k
+      if k and k < n_hi:
+        res["warning"] = f"only {k} custom calls for {n_hi} chained calls (merged?)"
+    except Exception:  # noqa: BLE001 - text is diagnostics only
+      pass
+  s, w, slopes, keep = time_slope(lo, hi, args, n_lo, n_hi, reps)
+  us = s * 1e6
+  if not statistics.median(slopes) > 0:  # noise beat the slope: time_slope fell back to wall
+    res["warning"] = (res.get("warning", "") + " non-positive slope; us = wall/call").strip()
+  sum_seq, flops, nbytes = counts
+  res.update(us=us, us_wall=w * 1e6, samples_us=[round(x * 1e6, 3) for x in slopes],
+             tflops=flops / us / 1e6, gbs=nbytes / us / 1e3,
+             pct_bw=100 * nbytes / us / 1e-6 / ceil["bw_Bps"],
+             pct_mm=100 * flops / us / 1e-6 / ceil["mm_flops"])
+  res["pct_roofline"] = 100 * floor_us(flops, nbytes, ceil["bw_Bps"], ceil["mm_flops"]) / us
+  res.update(check_subset(keep[0], qs[0], caches[0], bt, seq, plan, idx))
+  del keep, lo, hi
+  return res
+
+
+def pick_n(est_us, target_us, lo, hi):
+  n_hi = int(min(hi, max(lo, round(target_us / max(est_us, 1e-3)))))
+  return max(1, n_hi // 2), max(2, n_hi)
+
+
+@functools.lru_cache(maxsize=None)
+def _normal_bf16(shape):
+  import jax
+  import jax.numpy as jnp
+  return jax.jit(lambda k: jax.random.normal(k, shape, jnp.bfloat16))
+
+
+def bench_row(i, row, args, ceil, anchors, primary, target, t_start):
+  import jax
+  import jax.numpy as jnp
+  from mla_jax import DecodePlan
+
+  seq = row.seq_lens()
+  sum_seq, flops, nbytes = row_counts(row, seq)
+  bt, num_pages = make_block_table(np.random.default_rng(1000 + i), seq)
+  cache_bytes = num_pages * PAGE_SIZE * D_QK * 2
+  q_bytes = row.b * row.q * row.h * D_QK * 2
+  # Cache copies: the rotation set covers >= 2x L2 (one copy when a cache alone does).
+  rot = int(min(64, max(1, math.ceil(2 * args.l2_mb * 1e6 / cache_bytes))))
+  rec = dict(index=i, name=row.name, b=row.b, q_len=row.q, h=row.h, sk=row.sk, varlen=row.varlen,
+             causal=row.causal, page_size=PAGE_SIZE, sum_seq=sum_seq, max_seq=int(seq.max()),
+             flops=flops, bytes=nbytes, cache_bytes=cache_bytes, cache_copies=rot,
+             floor_us=floor_us(flops, nbytes, ceil["bw_Bps"], ceil["mm_flops"]),
+             floor_us_nominal=floor_us(flops, nbytes, NOMINAL_BW, NOMINAL_MM),
+             flashinfer=FLASHINFER_NOTE)
+  est = rec["floor_us_nominal"]
+  q_cap = max(2, int(4e9 // q_bytes))             # distinct query copies: <= 4 GB of them
+
+  # Calls per program and repetitions.
+  if args.smoke:
+    n_lo, n_hi, reps = 2, 4, args.reps or 3
+  else:
+    n_lo, n_hi = pick_n(1.5 * est, 4000 if args.quick else 10000, 8,
+                        min(q_cap, 48 if args.quick else 128))
+    reps = args.reps or (8 if args.quick else 20)
+  gathered = row.b * bt.shape[1] * PAGE_SIZE * D_QK * 2
+  scores = row.b * row.q * row.h * bt.shape[1] * PAGE_SIZE * 4
+  xla_mem = gathered + 3 * scores
+  rec["xla_mem_estimate_gb"] = round(xla_mem / 1e9, 2)
+  xla_skip = None
+  if primary == "xla" or args.no_xla:
+    xla_skip = dict(status="skip", reason="primary is xla" if primary == "xla" else "--no-xla")
+  elif xla_mem > args.xla_mem_gb * 1e9:
+    xla_skip = dict(status="oom/skip",
+                    reason=f"gathered cache + scores ~{xla_mem / 1e9:.1f} GB > {args.xla_mem_gb} GB")
+  elif time.perf_counter() - t_start > args.budget_s:
+    xla_skip = dict(status="skip", reason=f"time budget {args.budget_s}s spent")
+  if args.smoke:
+    x_lo, x_hi, x_reps = 1, 2, 2
+  else:
+    x_lo, x_hi = pick_n(8 * est, 20000, 2, min(q_cap, 4 if args.quick else 6))
+    x_reps = args.xla_reps or (3 if args.quick else 5)
+  n_q = max(n_hi, 0 if xla_skip else x_hi)
+
+  # Device data, random normal bf16 generated on the device: one query per call,
+  # `rot` cache copies.
+  gen_q = _normal_bf16((row.b, row.q, row.h, D_QK))
+  gen_c = _normal_bf16((num_pages, PAGE_SIZE, D_QK))
+  keys = jax.random.split(jax.random.key(i), n_q + rot)
+  qs = [gen_q(keys[r]) for r in range(n_q)]
+  caches = [gen_c(keys[n_q + r]) for r in range(rot)]
+  bt_d, sl_d = jnp.asarray(bt), jnp.asarray(seq)
+  idx = sorted({0, int(np.argmax(seq)), row.b - 1})[:max(1, args.check_requests)]
+  data = (qs, caches, bt_d, sl_d, bt, seq, np.asarray(idx))
+  counts = (sum_seq, flops, nbytes)
+  mk = lambda backend: DecodePlan(num_heads=row.h, page_size=PAGE_SIZE, sm_scale=SM_SCALE,
+                                  q_len=row.q, causal=row.causal, backend=backend)
+
+  # Primary backend (what users get).
+  try:
+    rec["mla"] = run_backend(mk(args.backend), data, n_lo, n_hi, reps, counts, ceil, target)
+  except Exception as e:  # noqa: BLE001 - keep going, report the failure
+    rec["mla"] = dict(backend=args.backend, error=f"{type(e).__name__}: {str(e)[:400]}",
+                      status="ERROR")
+  # XLA baseline, same process, same data.
+  if xla_skip:
+    rec["xla"] = xla_skip
+  else:
+    try:
+      rec["xla"] = run_backend(mk("xla"), data, x_lo, x_hi, x_reps, counts, ceil)
+    except Exception as e:  # noqa: BLE001
+      rec["xla"] = dict(backend="xla", error=f"{type(e).__name__}: {str(e)[:400]}", status="ERROR")
+
+  m, x = rec["mla"], rec["xla"]
+  if "us" in m and "us" in x:
+    rec["xla_over_mla"] = x["us"] / m["us"]
+  key = (row.b, row.q, row.h, row.sk, row.varlen)
+  fm = anchors["flashmla"].get(key)
+  if fm and not args.smoke:
+    # Σseq-normalised FlashMLA time (identical to raw for fixed-length rows).
+    fm_scaled = fm["us"] * sum_seq / fm["sum_seq"]
+    rec["flashmla"] = dict(us=fm["us"], sum_seq=fm["sum_seq"], us_scaled_to_our_sum_seq=fm_scaled,
+                           relerr=fm["relerr"])
+    if "us" in m:
+      rec["mla_over_flashmla"] = m["us"] / fm_scaled
+  xa = anchors["xla_einsum"].get(key)
+  if xa and not args.smoke:
+    rec["xla_einsum_anchor_us"] = xa
+  del qs, caches, data
+  return rec
+
+
+# --------------------------------------------------------------------------------------------
+# Output
+# --------------------------------------------------------------------------------------------
+def _f(v, fmt, width):
+  if v is None or (isinstance(v, float) and not math.isfinite(v)):
+    return "-".rjust(width)
+  return format(v, fmt).rjust(width)
+
+
+def _ratio(v, width):
+  if v is None or not math.isfinite(v):
+    return "-".rjust(width)
+  return format(v, ".2f" if v < 99.5 else ".0f").rjust(width)
+
+
+def table(meta, rows):
+  ceil = meta["ceilings"]
+  lines = []
+  lines.append(f"== mla_jax paged MLA decode | {meta['device']} | jax {meta['jax_version']} | "
+               f"commit {meta['commit'][:12]} | {meta['date']}")
+  lines.append(f"backend {meta['backend_requested']} -> {meta['backend_resolved']}; "
+               f"ceilings{'' if ceil['measured'] else ' (partly nominal)'}: copy "
+               f"{ceil['bw_Bps'] / 1e12:.2f} TB/s (r+w), bf16 mm {ceil['mm_flops'] / 1e12:.0f} TFLOP/s")
+  lines.append("us: median per-call slope of chained jitted calls (rotating caches, L2-cold); "
+               "%BW/%MM of those ceilings; roof = floor/us")
+  hdr = (f"{'#':>2} {'row':<17}{'us':>9}{'TF/s':>7}{'GB/s':>7}{'%BW':>5}{'%MM':>5}{'roof':>5}"
+         f"{'floor':>8}{'xla_us':>9}{'xla/us':>7}{'FMLA':>8}{'us/FM':>7}{'relerr':>8}  st")
+  lines.append(hdr)
+  for r in rows:
+    m = r.get("mla", {})
+    x = r.get("xla", {})
+    fm = r.get("flashmla", {})
+    st = m.get("status", "?")
+    if x.get("status") not in (None, "ok", "skip"):
+      st += f" xla:{x.get('status')}"
+    if m.get("warning") or x.get("warning"):
+      st += " (warn)"
+    if "error" in r:
+      st = "ERROR"
+    xla_us = x.get("us")
+    xla_cell = _f(xla_us, ".1f", 9) if xla_us else x.get("status", "-")[:8].rjust(9)
+    name = r["name"] + ("*" if r.get("varlen") and fm else "")
+    lines.append(
+        f"{r['index']:>2} {name:<17}{_f(m.get('us'), '.1f', 9)}{_f(m.get('tflops'), '.0f', 7)}"
+        f"{_f(m.get('gbs'), '.0f', 7)}{_f(m.get('pct_bw'), '.0f', 5)}{_f(m.get('pct_mm'), '.0f', 5)}"
+        f"{_f(m.get('pct_roofline'), '.0f', 5)}{_f(r.get('floor_us'), '.1f', 8)}{xla_cell}"
+        f"{_ratio(r.get('xla_over_mla'), 7)}{_f(fm.get('us_scaled_to_our_sum_seq'), '.1f', 8)}"
+        f"{_ratio(r.get('mla_over_flashmla'), 7)}{_f(m.get('relerr'), '.1e', 8)}  {st}")
+  lines.append("xla/us: XLA-backend time / mla_jax time (same run). FMLA: FlashMLA anchor us "
+               "(do_bench, L2 flushed); us/FM: mla_jax / FlashMLA (>1 = slower)")
+  lines.append("* varlen: FMLA us scaled by our sum_seq / anchor sum_seq (lengths drawn "
+               "differently). FlashInfer MLA: " + FLASHINFER_NOTE + ".")
+  for r in rows:
+    for what, e in (("row", r.get("error")), ("mla", r.get("mla", {}).get("error")),
+                    ("xla", r.get("xla", {}).get("error"))):
+      if e:
+        lines.append(f"error {r['name']} {what}: {e[:160]}")
+  return "\n".join(lines)
+
+
+def git_commit(arg):
+  if arg:
+    return arg, None
+  try:
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                          timeout=10)
+    if head.returncode == 0:
+      dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+                             capture_output=True, text=True, timeout=10)
+      return head.stdout.strip(), bool(dirty.stdout.strip()) if dirty.returncode == 0 else None
+  except Exception:  # noqa: BLE001
+    pass
+  return "unknown", None
+
+
+def write_json(path, meta, rows, done):
+  path.parent.mkdir(parents=True, exist_ok=True)
+  tmp = path.with_suffix(path.suffix + ".tmp")
+  tmp.write_text(json.dumps(dict(meta, complete=done, rows=rows), indent=1, default=str))
+  os.replace(tmp, path)
+
+
+def print_floors(anchors):
+  """Markdown table of the nominal floors (used for benchmarks/NOTES.md)."""
+  print("| # | row | Σseq | GFLOP | MB | bytes/4.3 TB/s µs | FLOPs/790 TF/s µs | floor µs | bound "
+        "| FlashMLA µs | floor/FlashMLA |")
+  print("|---|-----|------|-------|----|------|------|------|-----|------|-----|")
+  for i, r in enumerate(ROWS):
+    s, f, b = row_counts(r, r.seq_lens())
+    tb, tf = b / NOMINAL_BW * 1e6, f / NOMINAL_MM * 1e6
+    fm = anchors["flashmla"].get((r.b, r.q, r.h, r.sk, r.varlen))
+    fm_us = fm["us"] * s / fm["sum_seq"] if fm else None
+    fm_cells = (f"{fm_us:.1f}{'*' if r.varlen else ''} | {100 * max(tb, tf) / fm_us:.0f}%"
+                if fm else "- | -")
+    print(f"| {i} | {r.name} | {s} | {f / 1e9:.1f} | {b / 1e6:.1f} | {tb:.1f} | {tf:.1f} | "
+          f"{max(tb, tf):.1f} | {'memory' if tb >= tf else 'compute'} | {fm_cells} |")
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--rows", default="", help="comma list of row indices or (sub)names, e.g. 0,3,b1q1")
+  p.add_argument("--quick", action="store_true", help="fewer calls and repetitions")
+  p.add_argument("--smoke", action="store_true",
+                 help="tiny shapes (B<=4, H<=16, seq/64) and few reps: a CPU check of the script")
+  p.add_argument("--backend", default="auto", choices=("auto", "cuda", "cpu", "xla"),
+                 help="backend of the timed mla_jax op (default auto)")
+  p.add_argument("--no-xla", action="store_true", help="skip the xla-backend baseline")
+  p.add_argument("--anchors", default=None,
+                 help="anchors dir (or its flashmla_h200.json); default: shared/anchors in or "
+                      "beside the repo")
+  p.add_argument("--out", default=None,
+                 help="JSON output path (default benchmarks/results/h200.json; "
+                      "with --smoke benchmarks/results/smoke.json)")
+  p.add_argument("--commit", default=None, help="git commit to record (default: git rev-parse HEAD)")
+  p.add_argument("--reps", type=int, default=0, help="repetitions of the timed op (default 20, quick 8)")
+  p.add_argument("--xla-reps", type=int, default=0, help="repetitions for xla (default 5, quick 3)")
+  p.add_argument("--xla-mem-gb", type=float, default=20.0,
+                 help="skip xla where gathered cache + scores exceed this (default 20)")
+  p.add_argument("--budget-s", type=float, default=200.0,
+                 help="after this many seconds skip the xla baseline; after 1.25x skip rows")
+  p.add_argument("--l2-mb", type=float, default=None,
+                 help="L2 size for the cache rotation set (>= 2x L2; default 60, smoke 0.5)")
+  p.add_argument("--check-requests", type=int, default=3,
+                 help="requests per row checked against the float64 reference (default 3)")
+  p.add_argument("--print-floors", action="store_true",
+                 help="print the nominal-floor table (NOTES.md) and exit")
+  args = p.parse_args(argv)
+  if args.out is None:
+    args.out = str(REPO / "benchmarks" / "results" / ("smoke.json" if args.smoke else "h200.json"))
+  if args.l2_mb is None:
+    args.l2_mb = 0.5 if args.smoke else 60.0
+  if args.print_floors:
+    print_floors(load_anchors(find_anchors(args.anchors)))
+    return 0
+
+  t_start = time.perf_counter()
+  import jax
+  import jaxlib
+  import mla_jax
+  from mla_jax import _ffi
+
+  platform = jax.default_backend()
+  dev = jax.devices()[0]
+  if args.backend == "auto":
+    if platform == "gpu":
+      resolved = "cuda" if _ffi.has_cuda_kernels() else "xla"
+    else:
+      resolved = "cpu" if platform == "cpu" else "xla"
+  else:
+    resolved = args.backend
+  target = {"cuda": _ffi.CUDA_TARGET, "cpu": _ffi.CPU_TARGET}.get(resolved)
+  if args.backend == "auto" and platform == "gpu" and resolved == "xla":
+    print("WARNING: mla_jax has no CUDA kernels compiled in: backend auto resolves to xla",
+          flush=True)
+
+  commit, dirty = git_commit(args.commit)
+  anchors = load_anchors(find_anchors(args.anchors))
+  if anchors["error"]:
+    print(f"note: anchors: {anchors['error']}", flush=True)
+  rows_all = [smoke_row(r) for r in ROWS] if args.smoke else ROWS
+  chosen = select_rows(rows_all, args.rows)
+
+  meta = dict(
+      device=f"{dev.device_kind} ({platform})", platform=platform,
+      date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+      commit=commit, dirty=dirty, jax_version=jax.__version__, jaxlib_version=jaxlib.__version__,
+      python=sys.version.split()[0], mla_jax_version=mla_jax.__version__,
+      mla_jax_file=mla_jax.__file__, has_cuda_kernels=_ffi.has_cuda_kernels(),
+      cuda_archs=_ffi.cuda_archs(), backend_requested=args.backend, backend_resolved=resolved,
+      smoke=args.smoke, quick=args.quick, anchors_dir=anchors["dir"], anchors_error=anchors["error"],
+      flashinfer=FLASHINFER_NOTE,
+      method=("per-call us = median over reps of (t_hi - t_lo)/(n_hi - n_lo): two jitted programs "
+              "of n_lo/n_hi calls serialised by optimization_barrier; call i reads its own query "
+              "copy (no CSE) and cache copy i % R (R copies cover >= 2x L2 when one cache is "
+              "small); wall clock + block_until_ready; return_lse=True. "
+              "FLOPs = 2*q*sum_seq*H*1088, bytes = (sum_seq*576 + B*q*H*1088)*2."),
+      page_size=PAGE_SIZE, sm_scale=SM_SCALE, dtype="bfloat16")
+
+  print(f"device {meta['device']}, jax {jax.__version__}, backend {args.backend} -> {resolved}, "
+        f"{len(chosen)} rows", flush=True)
+  ceil = measure_ceilings(args.smoke, 3 if args.smoke else 5, platform == "gpu")
+  meta["ceilings"] = ceil
+  print(f"ceilings: copy {ceil['bw_Bps'] / 1e12:.3f} TB/s, matmul {ceil['mm_flops'] / 1e12:.1f} "
+        f"TFLOP/s ({time.perf_counter() - t_start:.0f}s)", flush=True)
+  out_path = Path(args.out)
+  records = []
+  for i, row in chosen:
+    elapsed = time.perf_counter() - t_start
+    if elapsed > 1.25 * args.budget_s:
+      records.append(dict(index=i, name=row.name, b=row.b, q_len=row.q, h=row.h, sk=row.sk,
+                          varlen=row.varlen, mla=dict(status="skip: budget"),
+                          xla=dict(status="skip")))
+      continue
+    t0 = time.perf_counter()
+    try:
+      rec = bench_row(i, row, args, ceil, anchors, resolved, target, t_start)
+    except Exception as e:  # noqa: BLE001 - data generation etc.: record and go on
+      rec = dict(index=i, name=row.name, b=row.b, q_len=row.q, h=row.h, sk=row.sk,
+                 varlen=row.varlen, error=f"{type(e).__name__}: {str(e)[:400]}",
+                 mla=dict(status="ERROR"), xla=dict(status="-"))
+    rec["row_s"] = round(time.perf_counter() - t0, 2)
+    records.append(rec)
+    gc.collect()
+    m, x = rec.get("mla", {}), rec.get("xla", {})
+    print(f"[{i:2}] {row.name:<16} mla {_f(m.get('us'), '.1f', 8)} us  xla "
+          f"{_f(x.get('us'), '.1f', 8) if 'us' in x else x.get('status', '-'):>8}  "
+          f"relerr {_f(m.get('relerr'), '.1e', 7)} {m.get('status', '')}  ({rec['row_s']}s)",
+          flush=True)
+    write_json(out_path, dict(meta, elapsed_s=round(time.perf_counter() - t_start, 1)), records,
+               False)
+  meta["elapsed_s"] = round(time.perf_counter() - t_start, 1)
+  write_json(out_path, meta, records, True)
+  print(f"wrote {out_path} ({meta['elapsed_s']}s)", flush=True)
+  print(table(meta, records), flush=True)
+  bad = [r["name"] for r in records
+         if r.get("mla", {}).get("status") not in ("ok",) and
+         not str(r.get("mla", {}).get("status", "")).startswith("skip")]
+  return 1 if bad else 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
