@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 
@@ -41,6 +42,29 @@ def _attrs(plan: DecodePlan):
               qk_rope_head_dim=int(plan.qk_rope_head_dim))
 
 
+def _varying_axes(x) -> frozenset:
+  """Manual mesh axes (inside shard_map) over which x's value varies."""
+  aval = jax.typeof(x)
+  mat = getattr(aval, "mat", None)  # jax 0.10 and 0.11: aval.mat.varying; older: aval.vma
+  return frozenset(mat.varying if mat is not None else getattr(aval, "vma", ()))
+
+
+def _varying_like_inputs(call):
+  """ffi_call results carry no varying-manual-axes type; inside shard_map
+  they must vary like the inputs (else lax.platform_dependent refuses to join
+  them with the pure-JAX branch, and the types would claim replication)."""
+
+  @functools.wraps(call)
+  def wrapped(plan, *args):
+    axes = frozenset().union(*map(_varying_axes, args))
+    outs = call(plan, *args)
+    return tuple(jax.lax.pcast(o, tuple(sorted(axes - _varying_axes(o), key=str)), to="varying")
+                 for o in outs)
+
+  return wrapped
+
+
+@_varying_like_inputs
 def _cpu_call(plan: DecodePlan, *args):
   return tuple(jax.ffi.ffi_call(_ffi.CPU_TARGET, _out_types(args[0], plan.kv_lora_rank))(
       *args, **_attrs(plan)))
@@ -56,6 +80,7 @@ def cuda_num_parts(rows_per_request: int, max_num_splits=None) -> int:
   return max(1, _cuda_sm_count() // m_blocks)
 
 
+@_varying_like_inputs
 def _cuda_call(plan: DecodePlan, *args):
   if plan.kv_lora_rank != 512 or plan.qk_rope_head_dim != 64:
     raise ValueError("backend 'cuda' needs kv_lora_rank=512 and qk_rope_head_dim=64, got "
@@ -145,6 +170,50 @@ _partitioned_decode.def_partition(
     infer_sharding_from_operands=_infer, partition=_partition, sharding_rule=_SHARDY_RULE)
 
 
+def _trace_mesh(x):
+  """The abstract mesh in context, else the one in x's type (explicit mode)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", mesh)
+  return mesh
+
+
+def _sharded_decode(plan: DecodePlan, *args):
+  """Calls the op in every JAX sharding mode.
+
+  * Auto axes (jax.jit with NamedSharding inputs): Shardy propagates the
+    rule and custom_partitioning runs one kernel per device.
+  * Explicit axes: the shardings are in the types, so the kernel runs in a
+    shard_map over the explicit axes with the rule's specs (an operand typed
+    otherwise, e.g. a sharded cache, is resharded first). The result's type
+    keeps the query's B/H sharding.
+  * Inside shard_map the kernel is called directly on the local shapes (what
+    custom_partitioning lowers to when every axis is manual). With only some
+    axes manual, custom_partitioning would get no mesh (jax passes
+    GSPMDShardings and, under a legacy `with mesh:`, XLA aborts), so there
+    too the kernel is called directly and XLA runs it replicated over the
+    remaining automatic axes (gathering the query over them). This is also
+    the case for a mesh that mixes Explicit and Auto axes.
+  """
+  mesh = _trace_mesh(args[0])
+  types = dict(zip(mesh.axis_names, mesh.axis_types))
+  explicit = {n for n, t in types.items() if t == jax.sharding.AxisType.Explicit}
+  manual = {n for n, t in types.items() if t == jax.sharding.AxisType.Manual}
+  if explicit:
+    b, h = _query_axes(jax.typeof(args[0]).sharding)
+    arg_specs, out_specs = (tuple(s.spec for s in ss) for ss in _shardings(mesh, b, h))
+    local = functools.partial(_sharded_decode, plan)   # the explicit axes are manual there
+    with contextlib.ExitStack() as stack:
+      if jax.sharding.get_abstract_mesh().empty:  # explicit types but no jax.set_mesh
+        stack.enter_context(jax.sharding.use_abstract_mesh(mesh))
+      args = [jax.sharding.reshard(a, s) for a, s in zip(args, arg_specs)]
+      return jax.shard_map(local, mesh=mesh, in_specs=arg_specs, out_specs=out_specs,
+                           axis_names=explicit)(*args)
+  if manual:
+    return _local_decode(plan, *args)
+  return _partitioned_decode(*args, plan)
+
+
 # --- vmap and autodiff --------------------------------------------------------
 @functools.cache
 def _decode_fn(plan: DecodePlan):
@@ -152,7 +221,7 @@ def _decode_fn(plan: DecodePlan):
 
   @jax.custom_batching.custom_vmap
   def decode(q_nope, q_pe, ckv, kpe, block_table, seq_lens, kv_scale):
-    return _partitioned_decode(q_nope, q_pe, ckv, kpe, block_table, seq_lens, kv_scale, plan)
+    return _sharded_decode(plan, q_nope, q_pe, ckv, kpe, block_table, seq_lens, kv_scale)
 
   @decode.def_vmap
   def _decode_vmap(axis_size, in_batched, *args):
@@ -163,13 +232,19 @@ def _decode_fn(plan: DecodePlan):
               for a, bat in zip(args, in_batched)]
       out = jax.lax.map(lambda xs: decode(*xs), tuple(args))
       return out, (True, True)
+    # Fold B-major, [V, B, ...] -> [B * V, ...]: a sharded B then keeps whole
+    # blocks per device (a V-major fold would need an all-gather, and is
+    # untypeable under explicit sharding). The transposes copy only the small
+    # query, table and output.
     args = list(args)
     for i in per_request:
-      a = args[i] if in_batched[i] else jnp.broadcast_to(args[i], (axis_size,) + args[i].shape)
-      args[i] = a.reshape((axis_size * a.shape[1],) + a.shape[2:])
+      a = args[i]
+      a = (jnp.swapaxes(a, 0, 1) if in_batched[i] else
+           jnp.broadcast_to(a[:, None], (a.shape[0], axis_size) + a.shape[1:]))
+      args[i] = a.reshape((a.shape[0] * axis_size,) + a.shape[2:])
+    unfold = lambda x: jnp.swapaxes(x.reshape((-1, axis_size) + x.shape[1:]), 0, 1)
     out, lse = decode(*args)
-    return ((out.reshape((axis_size, -1) + out.shape[1:]),
-             lse.reshape((axis_size, -1) + lse.shape[1:])), (True, True))
+    return (unfold(out), unfold(lse)), (True, True)
 
   @jax.custom_jvp
   def decode_nodiff(*args):
