@@ -16,6 +16,7 @@ subprocess (this file run as a script) with its own XLA_FLAGS.
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -26,14 +27,16 @@ B, H, PAGE, STEPS = 4, 16, 64, 12
 INIT_LENS = [1, 62, 64, 130]
 SM_SCALE = 192 ** -0.5
 
-# "": command buffers off. The explicit list turns on custom calls (the
-# kernel's FFI handler is command-buffer compatible) and loops, and captures
-# even the smallest graphs.
+# "": command buffers off. "default": XLA's own choice (jax 0.11.2 captures
+# the whole loop body, kernel included). The explicit list turns on custom
+# calls and dynamic-slice fusions (XLA wraps the kernel's call in one inside
+# scan/fori: without it the kernel stays outside the graph) and loops, and
+# captures even the smallest graphs.
 MODES = {
     "off": "--xla_gpu_enable_command_buffer=",
     "default": "",
-    "on": ("--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL,WHILE,CONDITIONAL "
-           "--xla_gpu_graph_min_graph_size=1"),
+    "on": ("--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL,DYNAMIC_SLICE_FUSION,WHILE,"
+           "CONDITIONAL --xla_gpu_graph_min_graph_size=1"),
 }
 
 
@@ -155,6 +158,21 @@ def _target_in_command_buffer(hlo, target):
   return found
 
 
+def _captured_custom_calls(thunk_text):
+  """Custom-call thunks nested in a command-buffer thunk (XLA's thunk dump)."""
+  stack, n = [], 0                                   # (indent, thunk kind)
+  for line in thunk_text.splitlines():
+    m = re.match(r"( *)\d+: (\w+)", line)
+    if not m:
+      continue
+    indent, kind = len(m.group(1)), m.group(2)
+    while stack and stack[-1][0] >= indent:
+      stack.pop()
+    n += kind == "kCustomCall" and any(k == "kCommandBuffer" for _, k in stack)
+    stack.append((indent, kind))
+  return n
+
+
 def _command_buffer_evidence(dump_dir, loop):
   """Files of the loop's dumped module that show a command buffer.
 
@@ -187,6 +205,9 @@ def _run_mode(mode, tmp_path):
   info = json.loads(str(res.pop("info")))
   for loop in ("scan", "fori"):
     info[loop]["evidence"] = _command_buffer_evidence(dump, loop)
+    info[loop]["captured_custom_calls"] = sum(
+        _captured_custom_calls(p.read_text(errors="replace"))
+        for p in dump.glob(f"*{loop}_loop*thunk_sequence_after_thunk_passes*"))
   return info, res
 
 
@@ -220,6 +241,11 @@ def test_decode_loop_with_and_without_command_buffers(reference, tmp_path):
         assert not info[loop]["evidence"], info
       if mode == "on":
         assert info[loop]["evidence"], info
+        if info["cuda_kernels"] and info[loop]["cuda_target"]:
+          # The kernel itself runs inside the CUDA graph (its FFI handler is
+          # command-buffer compatible); the only custom call in the loop.
+          assert info[loop]["captured_custom_calls"] >= 1 or info[loop][
+              "target_in_command_buffer"], info
     if info["cuda_kernels"]:
       assert info["scan"]["cuda_target"] and info["fori"]["cuda_target"], info
     for loop in ("scan", "fori"):
