@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -13,21 +12,13 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
 from . import _ffi
+from ._scratch import split_kv_scratch
 from ._inputs import DecodeInputs, normalize
 from .plan import DecodePlan
 from .xla_reference import paged_decode_xla
 
 # Operand order of every backend: (q_nope, q_pe, ckv, kpe, block_table,
 # seq_lens, kv_scale); results (out, lse).
-_DEFAULT_SM_COUNT = 132  # H100/H200 SXM; used when no CUDA device is visible
-
-
-@functools.cache
-def _cuda_sm_count() -> int:
-  try:
-    return int(jax.devices("cuda")[0].core_count)
-  except Exception:  # no CUDA backend here (e.g. exporting on a CPU host)
-    return _DEFAULT_SM_COUNT
 
 
 def _out_types(q_nope, dn):
@@ -70,16 +61,6 @@ def _cpu_call(plan: DecodePlan, *args):
       *args, **_attrs(plan)))
 
 
-def cuda_num_parts(rows_per_request: int, max_num_splits=None) -> int:
-  """Static number of persistent KV partitions the CUDA scheduler may use.
-
-  One partition per group of SMs that together cover all row blocks of 64
-  (q_len x heads) rows; the scratch buffers are sized from it.
-  """
-  m_blocks = math.ceil(rows_per_request / 64)
-  return max(1, _cuda_sm_count() // m_blocks)
-
-
 @_varying_like_inputs
 def _cuda_call(plan: DecodePlan, *args):
   if plan.kv_lora_rank != 512 or plan.qk_rope_head_dim != 64:
@@ -87,18 +68,7 @@ def _cuda_call(plan: DecodePlan, *args):
                      f"{plan.kv_lora_rank} and {plan.qk_rope_head_dim}; use backend 'cpu' or 'xla'")
   q_nope = args[0]
   b, q, h = q_nope.shape[:3]
-  rows = q * h
-  parts = cuda_num_parts(rows)
-  i32, f32 = jnp.int32, jnp.float32
-  # Scratch is declared as extra results so that XLA owns it: no allocation
-  # in the handler, which keeps the call safe inside command buffers.
-  scratch = (
-      jax.ShapeDtypeStruct((b, 2), i32),                          # per request: first item, splits
-      jax.ShapeDtypeStruct((parts + 1,), i32),                    # per partition: first item
-      jax.ShapeDtypeStruct((b + parts, 4), i32),                  # per item: request, blocks, split
-      jax.ShapeDtypeStruct((b + parts, rows, plan.kv_lora_rank), f32),  # partial out
-      jax.ShapeDtypeStruct((b + parts, rows), f32),               # partial lse
-  )
+  scratch = split_kv_scratch(b, q * h, plan.kv_lora_rank)
   res = jax.ffi.ffi_call(_ffi.CUDA_TARGET, _out_types(q_nope, plan.kv_lora_rank) + scratch)(
       *args, max_num_splits=int(plan.max_num_splits or 0), **_attrs(plan))
   return res[0], res[1]

@@ -23,6 +23,22 @@ namespace mla_jax {
 
 enum class ElemType : int { kBF16 = 0, kF16 = 1, kFP8E4M3 = 2 };
 
+// How one cached token is stored.
+enum class KvFormat : int {
+  // ckv and kpe rows of kv_type (bf16, fp16, or e4m3 with one per-tensor
+  // kv_scale), packed [.., 576] or split [.., 512] + [.., 64].
+  kPlain = 0,
+  // DeepSeek V3.2 "fp8_ds_mla": 656 bytes per token = 512 e4m3 ckv values,
+  // 4 float32 scales (one per 128 values), 64 bf16 kpe values.
+  kFp8DsMla = 1,
+};
+
+// Byte offsets inside one fp8_ds_mla token row.
+constexpr int kDsMlaRowBytes = 656;
+constexpr int kDsMlaScaleOffset = 512;
+constexpr int kDsMlaRopeOffset = 528;
+constexpr int kDsMlaGroup = 128;  // ckv values per float32 scale
+
 struct PagedDecodeParams {
   // Query rows, flattened over [B, q_len, num_heads]: row index
   // (b * q_len + i) * num_heads + h. Strides are in elements.
@@ -56,6 +72,21 @@ struct PagedDecodeParams {
   bool causal = true;
   ElemType q_type = ElemType::kBF16;   // also the output type
   ElemType kv_type = ElemType::kBF16;
+  KvFormat kv_format = KvFormat::kPlain;   // kFp8DsMla: ckv points at uint8 [P, S, 656] rows
+
+  // Sparse top-k mode (DeepSeek V3.2), active when indices != nullptr: each
+  // query token is its own request r = b * q_len + i with q_len 1 and the
+  // heads as rows; its positions are indices[r * topk + t] for
+  // t < min(topk_lens[b], topk) (all topk when topk_lens is null). A
+  // position is a global slot page * page_size + offset; -1 or any value
+  // outside [0, num_pages * page_size) is padding: never read, masked out.
+  // block_table and causal are unused then.
+  const int32_t* indices = nullptr;    // [batch, q_len, topk]
+  const int32_t* topk_lens = nullptr;  // [batch] or nullptr
+  int topk = 0;
+  // Optional per-head attention sink (FlashMLA semantics): out is scaled by
+  // exp(lse) / (exp(lse) + exp(sink[h])); lse is unchanged.
+  const float* attn_sink = nullptr;    // [num_heads] or nullptr
 
   MLA_HOST_DEVICE int rows_per_request() const { return q_len * num_heads; }
   // Largest valid seq_lens value: longer requests are rejected (NaN output).

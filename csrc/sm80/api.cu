@@ -20,13 +20,28 @@ cudaError_t paged_decode(const PagedDecodeParams& params, const DecodeWorkspace&
   if (params.batch == 0 || params.rows_per_request() == 0) return cudaSuccess;
   cudaError_t err = run_scheduler(params, ws, stream);
   if (err != cudaSuccess) return err;
-  switch (params.kv_type) {
-    case ElemType::kBF16: err = run_decode_bf16(params, ws, stream); break;
-    case ElemType::kF16: err = run_decode_fp16(params, ws, stream); break;
-    case ElemType::kFP8E4M3: err = run_decode_fp8(params, ws, stream); break;
+  if (params.kv_format == KvFormat::kFp8DsMla) {
+    err = run_decode_ds_mla(params, ws, stream);
+  } else {
+    switch (params.kv_type) {
+      case ElemType::kBF16: err = run_decode_bf16(params, ws, stream); break;
+      case ElemType::kF16: err = run_decode_fp16(params, ws, stream); break;
+      case ElemType::kFP8E4M3: err = run_decode_fp8(params, ws, stream); break;
+    }
   }
   if (err != cudaSuccess) return err;
   return run_combine(params, ws, stream);
+}
+
+cudaError_t sparse_decode(const PagedDecodeParams& params, const DecodeWorkspace& ws, cudaStream_t stream) {
+  // Every query token has its own index row: run B*Q requests of one token.
+  PagedDecodeParams per_token = params;
+  per_token.batch = params.batch * params.q_len;
+  per_token.q_len = 1;
+  per_token.causal = false;
+  DecodeWorkspace w = ws;
+  w.sparse_group = params.q_len;
+  return paged_decode(per_token, w, stream);
 }
 
 }  // namespace sm80

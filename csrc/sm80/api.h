@@ -29,6 +29,7 @@ struct DecodeWorkspace {
   int num_parts = 1;
   int max_items = 0;                // >= batch + num_parts
   int max_num_splits = 0;           // cap on splits per request; 0 = none
+  int sparse_group = 1;             // sparse mode: query tokens per batch entry
 };
 
 // Rows (q_len x heads) handled by one CTA for a given request row count.
@@ -49,6 +50,13 @@ cudaError_t run_decode_fp16(const PagedDecodeParams& params, const DecodeWorkspa
                             cudaStream_t stream);
 cudaError_t run_decode_fp8(const PagedDecodeParams& params, const DecodeWorkspace& ws,
                            cudaStream_t stream);
+
+// Sparse (top-k) decode: params as filled for the sparse op (batch B,
+// q_len Q); runs as B*Q single-token requests of num_heads rows.
+cudaError_t sparse_decode(const PagedDecodeParams& params, const DecodeWorkspace& ws,
+                          cudaStream_t stream);
+cudaError_t run_decode_ds_mla(const PagedDecodeParams& params, const DecodeWorkspace& ws,
+                              cudaStream_t stream);
 
 // Scheduler + decode + combine.
 cudaError_t paged_decode(const PagedDecodeParams& params, const DecodeWorkspace& ws,

@@ -73,6 +73,10 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(PagedDecodeParams p, 
   const float lse = s_lse;
 
   const int64_t out_row = static_cast<int64_t>(b) * rows + row;
+  // Attention sink (FlashMLA semantics): scale by exp(lse) / (exp(lse) + exp(sink)).
+  const float sink_scale = (p.attn_sink != nullptr && lse != -INFINITY)
+                               ? 1.f / (1.f + __expf(p.attn_sink[row % p.num_heads] - lse))
+                               : 1.f;
   for (int d = threadIdx.x * 4; d < dv; d += kThreads * 4) {
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
     if (any_nan) {
@@ -86,6 +90,7 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(PagedDecodeParams p, 
         acc.x += w * v.x; acc.y += w * v.y; acc.z += w * v.z; acc.w += w * v.w;
       }
     }
+    acc.x *= sink_scale; acc.y *= sink_scale; acc.z *= sink_scale; acc.w *= sink_scale;
     store4(static_cast<OutT*>(p.out) + out_row * dv + d, acc);
   }
   if (threadIdx.x == 0) p.lse[out_row] = lse;

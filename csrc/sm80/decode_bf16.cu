@@ -5,7 +5,7 @@ namespace mla_jax {
 namespace sm80 {
 
 cudaError_t run_decode_bf16(const PagedDecodeParams& params, const DecodeWorkspace& ws, cudaStream_t stream) {
-  return dispatch_decode<__nv_bfloat16, __nv_bfloat16>(params, ws, stream);
+  return dispatch_decode<__nv_bfloat16, KvNative>(params, ws, stream);
 }
 
 }  // namespace sm80

@@ -5,7 +5,7 @@ namespace mla_jax {
 namespace sm80 {
 
 cudaError_t run_decode_fp16(const PagedDecodeParams& params, const DecodeWorkspace& ws, cudaStream_t stream) {
-  return dispatch_decode<__half, __half>(params, ws, stream);
+  return dispatch_decode<__half, KvNative>(params, ws, stream);
 }
 
 }  // namespace sm80

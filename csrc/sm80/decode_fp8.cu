@@ -5,8 +5,8 @@ namespace mla_jax {
 namespace sm80 {
 
 cudaError_t run_decode_fp8(const PagedDecodeParams& params, const DecodeWorkspace& ws, cudaStream_t stream) {
-  if (params.q_type == ElemType::kBF16) return dispatch_decode<__nv_bfloat16, __nv_fp8_e4m3>(params, ws, stream);
-  return dispatch_decode<__half, __nv_fp8_e4m3>(params, ws, stream);
+  if (params.q_type == ElemType::kBF16) return dispatch_decode<__nv_bfloat16, KvFp8>(params, ws, stream);
+  return dispatch_decode<__half, KvFp8>(params, ws, stream);
 }
 
 }  // namespace sm80

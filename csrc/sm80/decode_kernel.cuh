@@ -18,6 +18,7 @@
 #include "csrc/common/mla_params.h"
 #include "csrc/sm80/api.h"
 #include "csrc/sm80/decode_traits.h"
+#include "csrc/sm80/request.cuh"
 
 namespace mla_jax {
 namespace sm80 {
@@ -64,9 +65,9 @@ __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool p
                                                                *static_cast<cute::uint128_t*>(smem), pred);
 }
 
-// 16 e4m3 values -> 16 QType values (two 16-byte stores).
+// 16 e4m3 values -> 16 QType values times `scale` (two 16-byte stores).
 template <typename T>
-__device__ __forceinline__ void convert_fp8x16(const uint8_t* src, T* dst) {
+__device__ __forceinline__ void convert_fp8x16(const uint8_t* src, T* dst, float scale) {
   const uint4 raw = *reinterpret_cast<const uint4*>(src);
   const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
   uint32_t out[8];
@@ -76,16 +77,46 @@ __device__ __forceinline__ void convert_fp8x16(const uint8_t* src, T* dst) {
     for (int h = 0; h < 2; ++h) {
       const __nv_fp8x2_storage_t pair = static_cast<__nv_fp8x2_storage_t>(words[w] >> (16 * h));
       const __half2 hv = __half2(__nv_cvt_fp8x2_to_halfraw2(pair, __NV_E4M3));
-      if constexpr (std::is_same_v<T, __half>) {
-        out[2 * w + h] = *reinterpret_cast<const uint32_t*>(&hv);
-      } else {
-        const float2 f = __half22float2(hv);
-        out[2 * w + h] = pack2<T>(f.x, f.y);
-      }
+      const float2 f = __half22float2(hv);
+      out[2 * w + h] = pack2<T>(f.x * scale, f.y * scale);
     }
   }
   reinterpret_cast<uint4*>(dst)[0] = make_uint4(out[0], out[1], out[2], out[3]);
   reinterpret_cast<uint4*>(dst)[1] = make_uint4(out[4], out[5], out[6], out[7]);
+}
+
+// 8 bf16 values -> 8 QType values (one 16-byte store).
+template <typename T>
+__device__ __forceinline__ void convert_bf16x8(const uint8_t* src, T* dst) {
+  uint4 raw = *reinterpret_cast<const uint4*>(src);
+  if constexpr (std::is_same_v<T, __half>) {
+    uint32_t* w = reinterpret_cast<uint32_t*>(&raw);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w[i]));
+      w[i] = pack2<T>(f.x, f.y);
+    }
+  }
+  *reinterpret_cast<uint4*>(dst) = raw;
+}
+
+// Converts staged cache row chunk `c` into the MMA-ready row `dst`.
+// KvFp8: 36 chunks of 16 e4m3 values. KvDsMla: chunks 0-31 are e4m3 ckv
+// scaled by their group's float32 scale, then 8 chunks of 8 bf16 kpe values
+// (the 16 scale bytes in between are not a chunk of their own).
+template <typename Tr>
+__device__ __forceinline__ void convert_chunk(const uint8_t* src_row, typename Tr::QType* dst_row, int c) {
+  using T = typename Tr::QType;
+  if constexpr (std::is_same_v<typename Tr::KvTag, KvDsMla>) {
+    if (c < 32) {
+      const float scale = reinterpret_cast<const float*>(src_row + kDsMlaScaleOffset)[c / 8];
+      convert_fp8x16<T>(src_row + c * 16, dst_row + c * 16, scale);
+    } else {
+      convert_bf16x8<T>(src_row + kDsMlaRopeOffset + (c - 32) * 16, dst_row + 512 + (c - 32) * 8);
+    }
+  } else {
+    convert_fp8x16<T>(src_row + c * 16, dst_row + c * 16, 1.0f);
+  }
 }
 
 template <typename Tr>
@@ -100,6 +131,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   char* sKvStage = smem + Tr::kSmemKv;
   T* sP = reinterpret_cast<T*>(smem + Tr::kSmemP);
   float* sRed = reinterpret_cast<float*>(smem + Tr::kSmemRed);
+  uint8_t* sValid = reinterpret_cast<uint8_t*>(smem + Tr::kSmemValid);
   __shared__ int s_bad_page;
 
   const int tid = threadIdx.x;
@@ -119,57 +151,77 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   const char* q_pe = static_cast<const char*>(p.q_pe);
   const char* ckv = static_cast<const char*>(p.ckv);
   const char* kpe = static_cast<const char*>(p.kpe);
-  constexpr int kKvElem = sizeof(typename Tr::KvType);
+  constexpr int kKvElem = std::is_same_v<typename Tr::KvTag, KvNative> ? 2 : 1;
+  constexpr int kConvertUnits = std::is_same_v<typename Tr::KvTag, KvDsMla> ? 40 : Tr::kKvChunks;
+  const bool sparse = p.indices != nullptr;
+  const int64_t num_slots = int64_t{p.num_pages} * p.page_size;
 
   for (int item = item_begin; item < item_end; ++item) {
     const int b = ws.items[4 * item];
     const int block_begin = ws.items[4 * item + 1], block_end = ws.items[4 * item + 2];
     const int splits = ws.request_meta[2 * b + 1];
-    const int64_t seq_len = p.seq_lens[b];
-    const bool len_ok = seq_len >= 0 && seq_len <= p.max_seq_len();
-    const int64_t tok_end = len_ok ? min(seq_len, int64_t{block_end} * kSchedBlockTokens) : 0;
+    const RequestSpan span = request_span(p, ws, b);
+    const int64_t seq_len = span.len;
+    const bool len_ok = span.valid;
+    const int64_t tok_end = min(seq_len, int64_t{block_end} * kSchedBlockTokens);
     const int tile_begin = block_begin * (kSchedBlockTokens / kBlockN);
     const int num_tiles =
         len_ok ? static_cast<int>((tok_end + kBlockN - 1) / kBlockN) - tile_begin : 0;
-    const int32_t* table = p.block_table + static_cast<int64_t>(b) * p.max_pages_per_seq;
+    const int32_t* table = sparse ? p.indices + static_cast<int64_t>(b) * p.topk
+                                  : p.block_table + static_cast<int64_t>(b) * p.max_pages_per_seq;
 
     __syncthreads();  // the previous item is done with every buffer
     if (tid == 0) s_bad_page = 0;
     __syncthreads();
 
-    // Page of each KV row this thread copies, -1 past the live tokens and
-    // -2 for an out-of-range page id (zero-filled, request reported bad).
-    auto fetch_pages = [&](int tile, int (&page)[Tr::kKvPasses]) {
+    // Page and slot of each KV row this thread copies. page -1: nothing to
+    // read (past the live tokens, or a sparse padding index; zero-filled and
+    // masked); -2: a live dense page id outside the cache (zero-filled, the
+    // request's output becomes NaN).
+    auto fetch_pages = [&](int tile, int (&page)[Tr::kKvPasses], int (&slot)[Tr::kKvPasses]) {
 #pragma unroll
       for (int ps = 0; ps < Tr::kKvPasses; ++ps) {
         const int r = ps * Tr::kRowsPerPass + copy_row;
         const int64_t tok = int64_t{tile} * kBlockN + r;
         page[ps] = -1;
+        slot[ps] = 0;
         if (r < kBlockN && tok < tok_end) {
-          const int id = table[tok / p.page_size];
-          page[ps] = (id >= 0 && id < p.num_pages) ? id : -2;
+          if (sparse) {
+            const int64_t idx = table[tok];
+            if (idx >= 0 && idx < num_slots) {
+              page[ps] = static_cast<int>(idx / p.page_size);
+              slot[ps] = static_cast<int>(idx % p.page_size);
+            }
+          } else {
+            const int id = table[tok / p.page_size];
+            page[ps] = (id >= 0 && id < p.num_pages) ? id : -2;
+            slot[ps] = static_cast<int>(tok % p.page_size);
+          }
         }
       }
     };
-    auto issue_tile = [&](int tile, int stage, const int (&page)[Tr::kKvPasses]) {
+    auto issue_tile = [&](int tile, int stage, const int (&page)[Tr::kKvPasses],
+                          const int (&slot)[Tr::kKvPasses]) {
       char* dst_stage = sKvStage + stage * Tr::kStageBytes;
 #pragma unroll
       for (int ps = 0; ps < Tr::kKvPasses; ++ps) {
         const int r = ps * Tr::kRowsPerPass + copy_row;
         if (r >= kBlockN) continue;
-        const int64_t tok = int64_t{tile} * kBlockN + r;
         const bool live = page[ps] >= 0;
         if (page[ps] == -2) s_bad_page = 1;
-        const int64_t slot = live ? tok % p.page_size : 0;
+        if (copy_lane == 0) sValid[stage * kBlockN + r] = live;
+        const int64_t sl = live ? slot[ps] : 0;
         const int64_t pg = live ? page[ps] : 0;
-        const char* ckv_row = ckv + (pg * p.ckv_page_stride + slot * p.ckv_token_stride) * kKvElem;
-        const char* kpe_row = kpe + (pg * p.kpe_page_stride + slot * p.kpe_token_stride) * kKvElem;
+        const char* ckv_row = ckv + (pg * p.ckv_page_stride + sl * p.ckv_token_stride) * kKvElem;
+        const char* kpe_row = kpe + (pg * p.kpe_page_stride + sl * p.kpe_token_stride) * kKvElem;
         char* dst = dst_stage + r * Tr::kKvRowBytes;
 #pragma unroll
         for (int j = 0; j < Tr::kKvChunksPerThread; ++j) {
           const int c = copy_lane + j * Tr::kThreadsPerRow;
           if (c < Tr::kKvChunks) {
-            const char* src = c < Tr::kNopeChunks ? ckv_row + c * 16 : kpe_row + (c - Tr::kNopeChunks) * 16;
+            const char* src = (Tr::KvTag::kContiguousRow || c < Tr::kNopeChunks)
+                                  ? ckv_row + c * 16
+                                  : kpe_row + (c - Tr::kNopeChunks) * 16;
             cp_async_16(dst + c * 16, src, live);
           }
         }
@@ -202,56 +254,79 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     for (int j = 0; j < Tr::kOTiles; ++j) acc_o[j][0] = acc_o[j][1] = acc_o[j][2] = acc_o[j][3] = 0.f;
     float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
 
-    int pages[Tr::kKvPasses];
+    int pages[Tr::kKvPasses], slots[Tr::kKvPasses];
     if (num_tiles > 0) {
-      fetch_pages(tile_begin, pages);
-      issue_tile(tile_begin, 0, pages);
+      fetch_pages(tile_begin, pages, slots);
+      issue_tile(tile_begin, 0, pages, slots);
     }
     cute::cp_async_fence();
-    if (num_tiles > 1) fetch_pages(tile_begin + 1, pages);
+    if (num_tiles > 1) fetch_pages(tile_begin + 1, pages, slots);
 
     for (int t = 0; t < num_tiles; ++t) {
       cute::cp_async_wait<0>();
       __syncthreads();  // tile t (and the query) landed; tile t-1 is no longer read
-      if (t + 1 < num_tiles) issue_tile(tile_begin + t + 1, (t + 1) % Tr::kStages, pages);
+      if (t + 1 < num_tiles) issue_tile(tile_begin + t + 1, (t + 1) % Tr::kStages, pages, slots);
       cute::cp_async_fence();
-      if (t + 2 < num_tiles) fetch_pages(tile_begin + t + 2, pages);
+      if (t + 2 < num_tiles) fetch_pages(tile_begin + t + 2, pages, slots);
 
       if constexpr (Tr::kFp8Kv) {
         const uint8_t* src = reinterpret_cast<const uint8_t*>(sKvStage + (t % Tr::kStages) * Tr::kStageBytes);
         T* dst = const_cast<T*>(kv_tile);
-        for (int c = tid; c < kBlockN * Tr::kKvChunks; c += Tr::kThreads) {
-          const int r = c / Tr::kKvChunks, col = c % Tr::kKvChunks;
-          convert_fp8x16<T>(src + r * Tr::kKvRowBytes + col * 16, dst + r * kStride + col * 16);
+        for (int c = tid; c < kBlockN * kConvertUnits; c += Tr::kThreads) {
+          const int r = c / kConvertUnits, col = c % kConvertUnits;
+          convert_chunk<Tr>(src + r * Tr::kKvRowBytes, dst + r * kStride, col);
         }
         __syncthreads();
       }
       const T* sK = Tr::kFp8Kv ? kv_tile
                                : reinterpret_cast<const T*>(sKvStage + (t % Tr::kStages) * Tr::kStageBytes);
 
-      // S = Q K^T for this warp's 16 rows x kSCols tokens.
-      float acc_s[Tr::kSTiles][4];
+      // S = Q K^T for this warp's 16 rows x kSCols tokens. The 36 k-steps
+      // accumulate into kSplitK independent sets so that consecutive MMAs do
+      // not wait on each other (one chain would be latency-bound).
+      constexpr int kSplitK = Tr::kSTiles == 2 ? 2 : 4;
+      float acc_k[kSplitK][Tr::kSTiles][4];
 #pragma unroll
-      for (int n = 0; n < Tr::kSTiles; ++n) acc_s[n][0] = acc_s[n][1] = acc_s[n][2] = acc_s[n][3] = 0.f;
+      for (int sk = 0; sk < kSplitK; ++sk)
+#pragma unroll
+        for (int n = 0; n < Tr::kSTiles; ++n) acc_k[sk][n][0] = acc_k[sk][n][1] = acc_k[sk][n][2] = acc_k[sk][n][3] = 0.f;
       const T* q_frag = sQ + (wm * 16 + lane % 16) * kStride + 8 * (lane / 16);
-#pragma unroll 4
-      for (int ks = 0; ks < Tr::kDimQK / 16; ++ks) {
-        uint32_t a[4];
-        ldsm_x4(q_frag + ks * 16, a);
-        if constexpr (Tr::kSTiles == 2) {
-          uint32_t bk[4];
-          ldsm_x4(sK + (wn * 16 + lane % 8 + 8 * (lane / 16)) * kStride + ks * 16 + 8 * ((lane / 8) % 2), bk);
-          mma16816<T>(acc_s[0], a, bk[0], bk[1]);
-          mma16816<T>(acc_s[1], a, bk[2], bk[3]);
-        } else {
-          uint32_t bk[2];
-          ldsm_x2(sK + (wn * 8 + lane % 8) * kStride + ks * 16 + 8 * ((lane / 8) % 2), bk);
-          mma16816<T>(acc_s[0], a, bk[0], bk[1]);
+      const T* k_frag = Tr::kSTiles == 2
+                            ? sK + (wn * 16 + lane % 8 + 8 * (lane / 16)) * kStride + 8 * ((lane / 8) % 2)
+                            : sK + (wn * 8 + lane % 8) * kStride + 8 * ((lane / 8) % 2);
+#pragma unroll 2
+      for (int ks0 = 0; ks0 < Tr::kDimQK / 16; ks0 += kSplitK) {
+#pragma unroll
+        for (int sk = 0; sk < kSplitK; ++sk) {
+          const int ks = ks0 + sk;
+          uint32_t a[4];
+          ldsm_x4(q_frag + ks * 16, a);
+          if constexpr (Tr::kSTiles == 2) {
+            uint32_t bk[4];
+            ldsm_x4(k_frag + ks * 16, bk);
+            mma16816<T>(acc_k[sk][0], a, bk[0], bk[1]);
+            mma16816<T>(acc_k[sk][1], a, bk[2], bk[3]);
+          } else {
+            uint32_t bk[2];
+            ldsm_x2(k_frag + ks * 16, bk);
+            mma16816<T>(acc_k[sk][0], a, bk[0], bk[1]);
+          }
         }
       }
+      float acc_s[Tr::kSTiles][4];
+#pragma unroll
+      for (int n = 0; n < Tr::kSTiles; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          float v = acc_k[0][n][e];
+#pragma unroll
+          for (int sk = 1; sk < kSplitK; ++sk) v += acc_k[sk][n][e];
+          acc_s[n][e] = v;
+        }
 
       // Mask, scale (log2 domain) and the tile's row maxima across warps.
       const int64_t tok0 = int64_t{tile_begin + t} * kBlockN + wn * Tr::kSCols + 2 * tig;
+      const uint8_t* valid = sValid + (t % Tr::kStages) * kBlockN + wn * Tr::kSCols + 2 * tig;
       float tile_max[2] = {-INFINITY, -INFINITY};
 #pragma unroll
       for (int n = 0; n < Tr::kSTiles; ++n) {
@@ -259,7 +334,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         for (int e = 0; e < 4; ++e) {
           const int rr = e / 2;
           const int64_t tok = tok0 + n * 8 + (e % 2);
-          const float s = tok < limit[rr] ? acc_s[n][e] * scale_log2 : -INFINITY;
+          const bool visible = tok < limit[rr] && valid[n * 8 + (e % 2)];
+          const float s = visible ? acc_s[n][e] * scale_log2 : -INFINITY;
           acc_s[n][e] = s;
           tile_max[rr] = fmaxf(tile_max[rr], s);
         }
@@ -348,6 +424,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       } else if (total > 0.f) {
         lse = row_max[rr] * kLn2 + logf(total);
         scale = kv_scale / total;
+        if (p.attn_sink != nullptr && !split) {  // split rows get the sink in combine
+          scale /= 1.f + __expf(p.attn_sink[row % p.num_heads] - lse);
+        }
       } else {
         lse = -INFINITY;  // nothing visible: out 0
         scale = 0.f;
@@ -384,12 +463,12 @@ cudaError_t launch_decode(const PagedDecodeParams& p, const DecodeWorkspace& ws,
 }
 
 // Picks the row-block size from q_len x heads (see rows_per_cta).
-template <typename QType, typename KvType>
+template <typename QType, typename KvTag>
 cudaError_t dispatch_decode(const PagedDecodeParams& p, const DecodeWorkspace& ws, cudaStream_t stream) {
   switch (rows_per_cta(p.rows_per_request())) {
-    case 16: return launch_decode<DecodeTraits<QType, KvType, 16, 64>>(p, ws, stream);
-    case 32: return launch_decode<DecodeTraits<QType, KvType, 32, 64>>(p, ws, stream);
-    default: return launch_decode<DecodeTraits<QType, KvType, 64, 32>>(p, ws, stream);
+    case 16: return launch_decode<DecodeTraits<QType, KvTag, 16, 64>>(p, ws, stream);
+    case 32: return launch_decode<DecodeTraits<QType, KvTag, 32, 64>>(p, ws, stream);
+    default: return launch_decode<DecodeTraits<QType, KvTag, 64, 32>>(p, ws, stream);
   }
 }
 

@@ -17,11 +17,26 @@
 namespace mla_jax {
 namespace sm80 {
 
-template <typename QType_, typename KvType_, int kBlockM_, int kBlockN_>
+// How a cache row arrives in shared memory (bytes per token row, and
+// whether it must be converted to the MMA type there).
+struct KvNative {      // bf16 / fp16 rows, same type as the query
+  static constexpr int kRowBytes = 1152, kNopeBytes = 1024;
+  static constexpr bool kConvert = false, kContiguousRow = false;
+};
+struct KvFp8 {         // e4m3 rows with one per-tensor kv_scale
+  static constexpr int kRowBytes = 576, kNopeBytes = 512;
+  static constexpr bool kConvert = true, kContiguousRow = false;
+};
+struct KvDsMla {       // DeepSeek V3.2 656-byte rows: e4m3 ckv, 4 f32 scales, bf16 kpe
+  static constexpr int kRowBytes = 656, kNopeBytes = 512;
+  static constexpr bool kConvert = true, kContiguousRow = true;
+};
+
+template <typename QType_, typename KvTag_, int kBlockM_, int kBlockN_>
 struct DecodeTraits {
-  using QType = QType_;    // __nv_bfloat16 or __half; also the MMA and output type
-  using KvType = KvType_;  // QType, or __nv_fp8_e4m3 (converted to QType in smem)
-  static constexpr bool kFp8Kv = std::is_same_v<KvType, __nv_fp8_e4m3>;
+  using QType = QType_;  // __nv_bfloat16 or __half; also the MMA and output type
+  using KvTag = KvTag_;
+  static constexpr bool kFp8Kv = KvTag::kConvert;  // converted to QType in smem
 
   static constexpr int kDimNope = 512;  // kv_lora_rank
   static constexpr int kDimRope = 64;   // qk_rope_head_dim
@@ -46,20 +61,22 @@ struct DecodeTraits {
   // kRowStride elements; an FP8 cache lands in a byte staging buffer first.
   static constexpr int kRowStride = kDimQK + 8;
   static constexpr int kPStride = kBlockN + 8;
-  static constexpr int kKvChunks = kDimQK * sizeof(KvType) / 16;  // 16-byte chunks per cache row
-  static constexpr int kNopeChunks = kDimNope * sizeof(KvType) / 16;
-  static constexpr int kKvRowBytes = kFp8Kv ? kDimQK + 16 : kRowStride * 2;
+  static constexpr int kKvChunks = KvTag::kRowBytes / 16;  // 16-byte chunks per cache row
+  static constexpr int kNopeChunks = KvTag::kNopeBytes / 16;
+  static constexpr int kKvRowBytes = kFp8Kv ? KvTag::kRowBytes + 16 : kRowStride * 2;
   static constexpr int kQBytes = kBlockM * kRowStride * 2;
   static constexpr int kStageBytes = kBlockN * kKvRowBytes;
   static constexpr int kConvertedBytes = kFp8Kv ? kBlockN * kRowStride * 2 : 0;
   static constexpr int kPBytes = kBlockM * kPStride * 2;
   static constexpr int kRedBytes = kWarpsN * kBlockM * 4;
+  static constexpr int kValidBytes = kStages * kBlockN;  // per-token "not padding" flags
   static constexpr int kSmemQ = 0;
   static constexpr int kSmemKv = kSmemQ + kQBytes;
   static constexpr int kSmemConverted = kSmemKv + kStages * kStageBytes;
   static constexpr int kSmemP = kSmemConverted + kConvertedBytes;
   static constexpr int kSmemRed = kSmemP + kPBytes;
-  static constexpr int kSmemBytes = kSmemRed + kRedBytes;
+  static constexpr int kSmemValid = kSmemRed + kRedBytes;
+  static constexpr int kSmemBytes = kSmemValid + kValidBytes;
 
   // Global->shared copies: 8 threads per row, 16 bytes each, 32 rows a pass.
   static constexpr int kThreadsPerRow = 8;

@@ -1,17 +1,20 @@
 // On-device split scheduler (FlashDecoding split-KV, balanced over
 // persistent partitions). One CTA; no host synchronisation.
 //
-// Each request b has n_b = ceil(seq_len / 64) KV blocks. With a fixed cost
-// per split (query load and epilogue, kSplitOverhead blocks) the total load
-// C = sum(n_b + overhead) is cut into num_parts equal shares T. Request b is
-// split into s_b = ceil(n_b / T) items of equal block count (capped by
-// max_num_splits), and the items, in request order, go to the partition
-// that contains their starting load. sum(s_b) <= batch + num_parts, which
-// sizes the scratch.
+// The requests' 64-token KV blocks are laid end to end on one work line,
+// each request preceded by a fixed cost (query load and epilogue,
+// kSplitOverhead blocks): request b covers [start_b, start_b + overhead +
+// n_b). The line is cut into num_parts equal shares; partition p gets the
+// work in [bound(p), bound(p+1)). A request crossing a cut is split there,
+// so every partition carries the same load and each cut splits at most one
+// request: at most batch + num_parts - 1 items, which sizes the scratch.
+// max_num_splits > 0 merges a request's pieces into at most that many
+// equal splits (still in partition order).
 #include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
 
 #include "csrc/sm80/api.h"
+#include "csrc/sm80/request.cuh"
 
 namespace mla_jax {
 namespace sm80 {
@@ -20,28 +23,19 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kSplitOverhead = 2;
 
-__device__ __forceinline__ int num_blocks_of(const PagedDecodeParams& p, int b) {
-  const int64_t len = p.seq_lens[b];
-  if (len < 0 || len > p.max_seq_len()) return 0;  // invalid: one empty item (NaN output)
-  return static_cast<int>((len + kSchedBlockTokens - 1) / kSchedBlockTokens);
+// An invalid request has no blocks: one empty item writes its NaN output.
+__device__ __forceinline__ int num_blocks_of(const PagedDecodeParams& p, const DecodeWorkspace& ws, int b) {
+  const RequestSpan span = request_span(p, ws, b);
+  return static_cast<int>((span.len + kSchedBlockTokens - 1) / kSchedBlockTokens);
 }
 
-struct Split {
-  int count;      // s_b
-  int per_split;  // blocks per item (last may have fewer)
-};
-
-__device__ __forceinline__ Split split_of(int n, int64_t share, int cap) {
-  if (n == 0) return {1, 0};
-  int s = static_cast<int>((n + share - 1) / share);
-  if (cap > 0 && s > cap) s = cap;
-  const int per = (n + s - 1) / s;
-  return {(n + per - 1) / per, per};
+__device__ __forceinline__ int64_t bound(int part, int64_t total, int parts) {
+  return (int64_t{part} * total + parts - 1) / parts;  // first work unit of `part`
 }
 
-__device__ __forceinline__ int part_of(int64_t start_load, int64_t total_load, int parts) {
-  if (total_load <= 0) return 0;
-  const int64_t p = start_load * parts / total_load;
+__device__ __forceinline__ int part_of(int64_t pos, int64_t total, int parts) {
+  if (total <= 0) return 0;
+  const int64_t p = pos * parts / total;
   return static_cast<int>(p < parts - 1 ? p : parts - 1);
 }
 
@@ -53,64 +47,87 @@ __global__ void __launch_bounds__(kThreads) schedule_kernel(PagedDecodeParams p,
     typename Scan::TempStorage scan;
   } tmp;
   __shared__ int64_t s_total;
-  __shared__ longlong2 s_carry;  // (items, load) before the current chunk
+  __shared__ longlong2 s_carry;  // (items, work) before the current chunk
   const int tid = threadIdx.x;
   const int batch = p.batch;
   const int parts = ws.num_parts;
 
-  // 1. Total load with one split per request.
+  // 1. Total work on the line.
   int64_t local = 0;
-  for (int b = tid; b < batch; b += kThreads) local += num_blocks_of(p, b) + kSplitOverhead;
+  for (int b = tid; b < batch; b += kThreads) local += num_blocks_of(p, ws, b) + kSplitOverhead;
   const int64_t total = Reduce(tmp.reduce).Sum(local);
   if (tid == 0) {
     s_total = total;
     s_carry = make_longlong2(0, 0);
   }
   __syncthreads();
-  const int64_t share_raw = (s_total + parts - 1) / parts;
-  const int64_t share = share_raw > 0 ? share_raw : 1;
+  const int64_t work = s_total;
 
-  // 2. Split counts, item offsets and loads (scan in chunks of kThreads).
-  int64_t total_load = 0;
+  // 2. Per chunk of requests: place on the line (scan), the partitions its
+  //    blocks fall in, and its items (second scan for the item offsets).
   for (int base = 0; base < batch; base += kThreads) {
     const int b = base + tid;
-    Split sp = {0, 0};
-    int n = 0;
-    if (b < batch) {
-      n = num_blocks_of(p, b);
-      sp = split_of(n, share, ws.max_num_splits);
-    }
-    longlong2 mine = make_longlong2(sp.count, static_cast<int64_t>(n) + int64_t{sp.count} * kSplitOverhead);
-    longlong2 before, chunk_total;
+    int n = 0, count = 0, p_first = 0, p_last = 0;
+    longlong2 before = make_longlong2(0, 0), chunk_total;
+    if (b < batch) n = num_blocks_of(p, ws, b);
+    // The work position depends on earlier requests only: scan it first.
     Scan(tmp.scan).ExclusiveScan(
-        mine, before, make_longlong2(0, 0),
-        [](const longlong2& a, const longlong2& c) { return make_longlong2(a.x + c.x, a.y + c.y); },
+        make_longlong2(0, b < batch ? n + kSplitOverhead : 0), before, make_longlong2(0, 0),
+        [](const longlong2& x, const longlong2& y) { return make_longlong2(x.x + y.x, x.y + y.y); },
         chunk_total);
     const longlong2 carry = s_carry;
+    const int64_t first_block_pos = carry.y + before.y + kSplitOverhead;
     if (b < batch) {
-      const int first = static_cast<int>(carry.x + before.x);
-      const int64_t load0 = carry.y + before.y;
+      if (n == 0) {
+        p_first = p_last = part_of(first_block_pos - kSplitOverhead, work, parts);
+      } else {
+        p_first = part_of(first_block_pos, work, parts);
+        p_last = part_of(first_block_pos + n - 1, work, parts);
+      }
+      count = p_last - p_first + 1;
+      if (ws.max_num_splits > 0 && count > ws.max_num_splits) count = ws.max_num_splits;
+    }
+    __syncthreads();  // tmp.scan is reused
+    longlong2 item_before, item_total;
+    Scan(tmp.scan).ExclusiveScan(
+        make_longlong2(count, 0), item_before, make_longlong2(0, 0),
+        [](const longlong2& x, const longlong2& y) { return make_longlong2(x.x + y.x, x.y + y.y); },
+        item_total);
+    if (b < batch) {
+      const int first = static_cast<int>(carry.x + item_before.x);
       ws.request_meta[2 * b] = first;
-      ws.request_meta[2 * b + 1] = sp.count;
-      for (int j = 0; j < sp.count; ++j) {
-        int32_t* item = ws.items + 4 * static_cast<int64_t>(first + j);
+      ws.request_meta[2 * b + 1] = count;
+      const int natural = p_last - p_first + 1;
+      for (int k = 0; k < count; ++k) {
+        int32_t* item = ws.items + 4 * static_cast<int64_t>(first + k);
+        int begin, end, part;
+        if (count == natural) {  // cut at the partition bounds
+          part = p_first + k;
+          const int64_t lo = bound(part, work, parts) - first_block_pos;
+          const int64_t hi = bound(part + 1, work, parts) - first_block_pos;
+          begin = k == 0 ? 0 : static_cast<int>(lo);
+          end = k == count - 1 ? n : static_cast<int>(hi);
+        } else {  // capped: equal pieces, each placed in the partition of its start
+          begin = static_cast<int>(int64_t{k} * n / count);
+          end = static_cast<int>(int64_t{k + 1} * n / count);
+          part = p_first + static_cast<int>(int64_t{k} * natural / count);
+        }
         item[0] = b;
-        item[1] = j * sp.per_split;
-        item[2] = min(n, (j + 1) * sp.per_split);
-        item[3] = static_cast<int32_t>(load0 + int64_t{j} * (sp.per_split + kSplitOverhead));
+        item[1] = begin;
+        item[2] = end;
+        item[3] = part;
       }
     }
     __syncthreads();  // everyone has read s_carry and used tmp.scan
-    if (tid == 0) s_carry = make_longlong2(carry.x + chunk_total.x, carry.y + chunk_total.y);
+    if (tid == 0) s_carry = make_longlong2(carry.x + item_total.x, carry.y + chunk_total.y);
     __syncthreads();
   }
-  total_load = s_carry.y;
   const int num_items = static_cast<int>(s_carry.x);
 
   // 3. Partition boundaries: part_begin[q] = first item whose part >= q.
   for (int i = tid; i < num_items; i += kThreads) {
-    const int q = part_of(ws.items[4 * i + 3], total_load, parts);
-    const int q_prev = i == 0 ? -1 : part_of(ws.items[4 * (i - 1) + 3], total_load, parts);
+    const int q = ws.items[4 * i + 3];
+    const int q_prev = i == 0 ? -1 : ws.items[4 * (i - 1) + 3];
     for (int k = q_prev + 1; k <= q; ++k) ws.part_begin[k] = i;
     if (i == num_items - 1) {
       for (int k = q + 1; k <= parts; ++k) ws.part_begin[k] = num_items;

@@ -1,0 +1,35 @@
+// Per-request length and validity, shared by the scheduler and the decode
+// kernel so both always agree on how much KV a request has.
+#pragma once
+
+#include "csrc/common/mla_params.h"
+#include "csrc/sm80/api.h"
+
+namespace mla_jax {
+namespace sm80 {
+
+struct RequestSpan {
+  int64_t len;  // positions to stream (tokens of the cache, or top-k entries)
+  bool valid;   // false: the request's output is NaN (dense-mode bad length)
+};
+
+// Dense mode: seq_lens[r], valid when 0 <= len <= max_pages_per_seq * page_size.
+// Sparse mode: request r is query token r % group of batch entry r / group; it
+// streams min(topk_lens[b], topk) index entries (all topk without topk_lens).
+__device__ __forceinline__ RequestSpan request_span(const PagedDecodeParams& p, const DecodeWorkspace& ws,
+                                                    int r) {
+  if (p.indices != nullptr) {
+    int64_t len = p.topk;
+    if (p.topk_lens != nullptr) {
+      const int64_t l = p.topk_lens[r / ws.sparse_group];
+      len = l < 0 ? 0 : (l < len ? l : len);
+    }
+    return {len, true};
+  }
+  const int64_t len = p.seq_lens[r];
+  const bool valid = len >= 0 && len <= p.max_seq_len();
+  return {valid ? len : 0, valid};
+}
+
+}  // namespace sm80
+}  // namespace mla_jax
