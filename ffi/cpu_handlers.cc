@@ -6,6 +6,7 @@
 #include <mutex>
 
 #include "csrc/cpu/paged_decode_cpu.h"
+#include "csrc/cpu/sparse_decode_cpu.h"
 #include "ffi/decode_args.h"
 #include "ffi/handlers.h"
 
@@ -66,6 +67,22 @@ ffi::Error paged_decode_cpu_impl(ffi::ThreadPool pool, ffi::AnyBuffer q_nope, ff
   return ffi::Error::Success();
 }
 
+ffi::Error sparse_decode_cpu_impl(ffi::ThreadPool pool, ffi::AnyBuffer q_nope, ffi::AnyBuffer q_pe,
+                                  ffi::AnyBuffer kv, ffi::Buffer<ffi::S32> indices,
+                                  ffi::Buffer<ffi::S32> topk_lens, ffi::Buffer<ffi::F32> attn_sink,
+                                  ffi::Buffer<ffi::F32> kv_scale, ffi::Result<ffi::AnyBuffer> out,
+                                  ffi::Result<ffi::Buffer<ffi::F32>> lse, float sm_scale,
+                                  int64_t kv_format, bool has_sink, int64_t kv_lora_rank,
+                                  int64_t qk_rope_head_dim) {
+  PagedDecodeParams params;
+  ffi::Error err = fill_sparse_params(q_nope, q_pe, kv, indices, topk_lens, attn_sink, kv_scale, *out,
+                                      *lse, sm_scale, kv_format, has_sink, kv_lora_rank,
+                                      qk_rope_head_dim, &params);
+  if (err.failure()) return err;
+  sparse_decode_cpu(params, pool_parallel_for(pool));
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedDecodeCpu, paged_decode_cpu_impl,
@@ -82,6 +99,24 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedDecodeCpu, paged_decode_cpu_impl,
                                   .Ret<ffi::Buffer<ffi::F32>>()  // lse
                                   .Attr<float>("sm_scale")
                                   .Attr<bool>("causal")
+                                  .Attr<int64_t>("kv_lora_rank")
+                                  .Attr<int64_t>("qk_rope_head_dim"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SparseDecodeCpu, sparse_decode_cpu_impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()  // q_nope (or packed query)
+                                  .Arg<ffi::AnyBuffer>()  // q_pe
+                                  .Arg<ffi::AnyBuffer>()  // kv: packed [P, S, 576] or uint8 [P, S, 656]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // indices [B, Q, K]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // topk_lens [B]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // attn_sink [H]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // kv_scale [1]
+                                  .Ret<ffi::AnyBuffer>()         // out
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // lse
+                                  .Attr<float>("sm_scale")
+                                  .Attr<int64_t>("kv_format")
+                                  .Attr<bool>("has_sink")
                                   .Attr<int64_t>("kv_lora_rank")
                                   .Attr<int64_t>("qk_rope_head_dim"));
 

@@ -6,6 +6,7 @@
 namespace mla_jax {
 
 XLA_FFI_DECLARE_HANDLER_SYMBOL(PagedDecodeCpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(SparseDecodeCpu);
 #ifdef MLA_JAX_WITH_CUDA
 XLA_FFI_DECLARE_HANDLER_SYMBOL(PagedDecodeCuda);
 #endif

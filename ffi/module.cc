@@ -20,6 +20,7 @@ NB_MODULE(_mla_jax_ext, m) {
   m.def("cpu_registrations", []() {
     nb::dict d;
     d["mla_jax_paged_decode_cpu"] = encapsulate(mla_jax::PagedDecodeCpu);
+    d["mla_jax_sparse_decode_cpu"] = encapsulate(mla_jax::SparseDecodeCpu);
     return d;
   });
   m.def("cuda_registrations", []() {

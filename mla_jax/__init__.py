@@ -6,10 +6,13 @@ custom calls and exposed as jittable, shardable JAX ops.
 
 from . import _ffi
 from .checks import check_inputs
+from .fp8_cache import dequantize_latent_fp8, quantize_latent_fp8
 from .paged_decode import paged_decode
-from .plan import DecodePlan
+from .plan import DecodePlan, SparseDecodePlan
+from .sparse_decode import sparse_decode
 
 __version__ = "0.1.0"
-__all__ = ["DecodePlan", "paged_decode", "check_inputs", "__version__"]
+__all__ = ["DecodePlan", "paged_decode", "check_inputs", "SparseDecodePlan", "sparse_decode",
+           "quantize_latent_fp8", "dequantize_latent_fp8", "__version__"]
 
 _ffi.register()

@@ -16,9 +16,11 @@ else:
 
 CPU_TARGET = "mla_jax_paged_decode_cpu"
 CUDA_TARGET = "mla_jax_paged_decode_cuda"
+SPARSE_CPU_TARGET = "mla_jax_sparse_decode_cpu"
+SPARSE_CUDA_TARGET = "mla_jax_sparse_decode_cuda"
 # Custom-call targets a jax.export user must allow:
 #   jax.export.DisabledSafetyCheck.custom_call(name) for each.
-EXPORT_TARGETS = (CPU_TARGET, CUDA_TARGET)
+EXPORT_TARGETS = (CPU_TARGET, CUDA_TARGET, SPARSE_CPU_TARGET, SPARSE_CUDA_TARGET)
 
 
 def has_extension() -> bool:
@@ -31,6 +33,12 @@ def has_cuda_kernels() -> bool:
 
 def cuda_archs() -> str:
   return _ext.cuda_archs() if _ext is not None else ""
+
+
+@functools.cache
+def has_cuda_target(name: str) -> bool:
+  """Whether the extension provides the CUDA handler ``name``."""
+  return _ext is not None and name in _ext.cuda_registrations()
 
 
 def require_extension():

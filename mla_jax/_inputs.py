@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .plan import DecodePlan
+from .plan import DecodePlan, SparseDecodePlan
 
 QUERY_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn),)
@@ -180,3 +180,91 @@ def normalize(query, kv_cache, block_table, seq_lens, plan: DecodePlan, kv_scale
       raise ValueError(f"kv_scale: expected a float32 scalar, got shape {_shape(kv_scale)}")
     scale = jnp.reshape(kv_scale, (1,))
   return DecodeInputs(q_nope, q_pe, ckv, kpe, block_table, seq_lens, scale, had_q_axis)
+
+
+# --- sparse top-k decode (DeepSeek V3.2) ----------------------------------------
+@dataclasses.dataclass(frozen=True)
+class SparseInputs:
+  """Normalised sparse-decode operands, in the FFI operand order."""
+  q_nope: Any        # [B, Q, H, 512] or packed [B, Q, H, 576]
+  q_pe: Any          # [B, Q, H, 64], or the packed query again
+  kv: Any            # packed [P, S, 576] (query dtype) or uint8 [P, S, 656]
+  indices: Any       # int32 [B, Q, K]
+  topk_lens: Any     # int32 [B] (K everywhere when the caller gave None)
+  attn_sink: Any     # float32 [H] (zeros when the caller gave None)
+  kv_scale: Any      # float32 [1] (ones; reserved)
+  has_sink: bool
+  query_had_q_axis: bool
+
+  @property
+  def operands(self) -> tuple:
+    return (self.q_nope, self.q_pe, self.kv, self.indices, self.topk_lens, self.attn_sink,
+            self.kv_scale)
+
+
+def normalize_sparse_cache(kv_cache, plan, query_dtype):
+  """Checks the packed sparse cache against plan.kv_format; returns it."""
+  if isinstance(kv_cache, (tuple, list)):
+    raise TypeError("kv_cache: sparse_decode takes one packed cache array ([P, S, 576] or "
+                    "uint8 [P, S, 656]), not a (ckv, kpe) pair")
+  kv_cache = _as_array("kv_cache", kv_cache)
+  shape = _shape(kv_cache)
+  if len(shape) != 3:
+    raise ValueError(f"kv_cache: expected rank 3 [num_pages, page_size, D], got shape {shape}")
+  if shape[1] != plan.page_size:
+    raise ValueError(f"kv_cache: expected page_size = plan.page_size = {plan.page_size} at axis 1, "
+                     f"got shape {shape}")
+  dt = jnp.dtype(kv_cache.dtype)
+  if plan.kv_format == "fp8_ds_mla":
+    if dt != jnp.dtype(jnp.uint8):
+      raise TypeError(f"kv_cache: kv_format 'fp8_ds_mla' needs a uint8 cache (from "
+                      f"mla_jax.quantize_latent_fp8), got {dt}")
+    _check_last_dim("kv_cache", kv_cache, plan.kv_row_width)
+  else:
+    if dt != jnp.dtype(query_dtype):
+      raise TypeError(f"kv_cache: kv_format 'bf16' needs dtype {jnp.dtype(query_dtype)} "
+                      f"(the query dtype), got {dt}")
+    _check_last_dim("kv_cache", kv_cache, plan.kv_row_width)
+  if shape[0] * shape[1] == 0:
+    raise ValueError(f"kv_cache: needs at least one slot, got shape {shape}")
+  return kv_cache
+
+
+def normalize_sparse(query, kv_cache, indices, topk_lens, attn_sink, plan) -> SparseInputs:
+  """Validates every sparse-decode operand against the plan and each other."""
+  if not isinstance(plan, SparseDecodePlan):
+    raise TypeError(f"plan: expected mla_jax.SparseDecodePlan, got {type(plan).__name__}")
+  q_nope, q_pe, had_q_axis = normalize_query(query, plan)
+  kv = normalize_sparse_cache(kv_cache, plan, q_nope.dtype)
+  b, q_len, h = _shape(q_nope)[:3]
+  k = plan.topk
+
+  indices = _as_array("indices", indices)
+  _check_dtype("indices", indices, (jnp.dtype(jnp.int32),))
+  want = (b, q_len, k) if had_q_axis else (b, k)
+  if _shape(indices) != want:
+    form = "[B, Q, K]" if had_q_axis else "[B, K] (the query has no Q axis)"
+    raise ValueError(f"indices: expected shape {want} = {form} with K = plan.topk = {k}, "
+                     f"got {_shape(indices)}")
+  if not had_q_axis:
+    indices = jnp.reshape(indices, (b, 1, k))
+
+  if topk_lens is None:
+    topk_lens = jnp.full((b,), k, jnp.int32)
+  else:
+    topk_lens = _as_array("topk_lens", topk_lens)
+    _check_dtype("topk_lens", topk_lens, (jnp.dtype(jnp.int32),))
+    if _shape(topk_lens) != (b,):
+      raise ValueError(f"topk_lens: expected shape ({b},) (the query batch), got {_shape(topk_lens)}")
+
+  has_sink = attn_sink is not None
+  if attn_sink is None:
+    attn_sink = jnp.zeros((h,), jnp.float32)
+  else:
+    attn_sink = _as_array("attn_sink", attn_sink)
+    _check_dtype("attn_sink", attn_sink, (jnp.dtype(jnp.float32),))
+    if _shape(attn_sink) != (h,):
+      raise ValueError(f"attn_sink: expected shape ({h},) (one per head), got {_shape(attn_sink)}")
+
+  return SparseInputs(q_nope, q_pe, kv, indices, topk_lens, attn_sink,
+                      jnp.ones((1,), jnp.float32), has_sink, had_q_axis)

@@ -84,3 +84,63 @@ def random_paged_inputs(rng: np.random.Generator, seq_lens, *, num_heads: int, p
   query = rng.standard_normal((b, q_len, num_heads, d)).astype(dtype)
   kv_cache = rng.standard_normal((num_pages, page_size, d)).astype(dtype)
   return dict(query=query, kv_cache=kv_cache, block_table=block_table, seq_lens=seq_lens)
+
+
+def dequantize_latent_fp8_np(kv_u8) -> np.ndarray:
+  """Exact float64 dequantisation of uint8 ``[..., 656]`` fp8_ds_mla rows -> ``[..., 576]``."""
+  import ml_dtypes  # pylint: disable=g-import-not-at-top  (ships with jaxlib)
+  kv_u8 = np.ascontiguousarray(np.asarray(kv_u8, np.uint8))
+  if kv_u8.shape[-1] != 656:
+    raise ValueError(f"expected last dimension 656, got shape {kv_u8.shape}")
+  lead = kv_u8.shape[:-1]
+  ckv = np.ascontiguousarray(kv_u8[..., :512]).view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+  scales = np.ascontiguousarray(kv_u8[..., 512:528]).view("<f4").astype(np.float64)   # [..., 4]
+  kpe = np.ascontiguousarray(kv_u8[..., 528:]).view(ml_dtypes.bfloat16).astype(np.float64)
+  ckv = (ckv.reshape(lead + (4, 128)) * scales[..., None]).reshape(lead + (512,))
+  return np.concatenate([ckv, kpe], axis=-1)
+
+
+def reference_sparse_decode(query, kv_cache, indices, plan, topk_lens=None, attn_sink=None):
+  """Float64 reference of :func:`mla_jax.sparse_decode` on host arrays.
+
+  Args:
+    query: ``[B, Q, H, 576]`` or a (q_nope, q_pe) pair with a Q axis, any float dtype.
+    kv_cache: float ``[P, S, 576]`` (values used as given) or uint8
+      ``[P, S, 656]`` fp8_ds_mla rows (dequantised exactly in float64).
+    indices: int ``[B, Q, K]`` global slots; topk_lens ``[B]`` or None;
+      attn_sink ``[H]`` or None. plan: anything with ``sm_scale`` (and
+      ``kv_lora_rank``, default 512).
+  Returns:
+    out ``[B, Q, H, 512]`` and lse ``[B, Q, H]`` as float64; a token with no
+    valid index has out 0 and lse -inf.
+  """
+  dn = getattr(plan, "kv_lora_rank", 512)
+  if isinstance(query, (tuple, list)):
+    q = np.concatenate([np.asarray(query[0], np.float64), np.asarray(query[1], np.float64)], -1)
+  else:
+    q = np.asarray(query, np.float64)
+  kv = np.asarray(kv_cache)
+  kv = dequantize_latent_fp8_np(kv) if kv.dtype == np.uint8 else kv.astype(np.float64)
+  flat = kv.reshape(-1, kv.shape[-1])
+  indices = np.asarray(indices, np.int64)
+  b_sz, q_len, h = q.shape[:3]
+  k = indices.shape[-1]
+  lens = np.full((b_sz,), k) if topk_lens is None else np.clip(np.asarray(topk_lens, np.int64), 0, k)
+  out = np.zeros((b_sz, q_len, h, dn))
+  lse = np.full((b_sz, q_len, h), -np.inf)
+  for b in range(b_sz):
+    for i in range(q_len):
+      idx = indices[b, i, :lens[b]]
+      idx = idx[(idx >= 0) & (idx < flat.shape[0])]
+      if idx.size == 0:
+        continue
+      keys = flat[idx]                                   # duplicates count twice
+      s = q[b, i] @ keys.T * plan.sm_scale               # [H, n]
+      m = s.max(-1, keepdims=True)
+      w = np.exp(s - m)
+      lse[b, i] = m[:, 0] + np.log(w.sum(-1))
+      out[b, i] = (w / w.sum(-1, keepdims=True)) @ keys[:, :dn]
+      if attn_sink is not None:
+        sink = np.asarray(attn_sink, np.float64)
+        out[b, i] *= (1.0 / (1.0 + np.exp(sink - lse[b, i])))[:, None]
+  return out, lse
