@@ -9,6 +9,7 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(PagedDecodeCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(SparseDecodeCpu);
 #ifdef MLA_JAX_WITH_CUDA
 XLA_FFI_DECLARE_HANDLER_SYMBOL(PagedDecodeCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(SparseDecodeCuda);
 #endif
 
 }  // namespace mla_jax

@@ -27,6 +27,7 @@ NB_MODULE(_mla_jax_ext, m) {
     nb::dict d;
 #ifdef MLA_JAX_WITH_CUDA
     d["mla_jax_paged_decode_cuda"] = encapsulate(mla_jax::PagedDecodeCuda);
+    d["mla_jax_sparse_decode_cuda"] = encapsulate(mla_jax::SparseDecodeCuda);
 #endif
     return d;
   });
