@@ -119,11 +119,24 @@ __device__ __forceinline__ void convert_chunk(const uint8_t* src_row, typename T
   }
 }
 
+// Element offset of (row, col) in a Q/KV tile; col is a multiple of 8 for
+// the 16-byte accesses. Swizzled tiles XOR the chunk index with row % 8, so
+// the 8 rows of an ldmatrix phase (or of a cp.async wavefront) always hit 8
+// distinct bank groups although the unpadded row stride is 1152 bytes.
+template <typename Tr>
+__device__ __forceinline__ int tile_offset(int row, int col) {
+  if constexpr (Tr::kSwizzle) {
+    return row * Tr::kRowStride + ((((col >> 3) ^ (row & 7))) << 3) + (col & 7);
+  } else {
+    return row * Tr::kRowStride + col;
+  }
+}
+
 template <typename Tr>
 __global__ void __launch_bounds__(Tr::kThreads, 1)
     decode_kernel(const PagedDecodeParams p, const DecodeWorkspace ws) {
   using T = typename Tr::QType;
-  constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kStride = Tr::kRowStride;
+  constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kMT = Tr::kMTiles;
   constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
 
   extern __shared__ __align__(128) char smem[];
@@ -139,6 +152,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   const int wm = warp % Tr::kWarpsM, wn = warp / Tr::kWarpsM;
   const int g = lane / 4, tig = lane % 4;
   const int copy_row = tid / Tr::kThreadsPerRow, copy_lane = tid % Tr::kThreadsPerRow;
+  // Row (within the CTA's block) of this thread's accumulator entries:
+  // m-tile mt, half rr (the MMA C layout holds rows g and g + 8).
+  auto my_row = [&](int mt, int rr) { return wm * Tr::kWarpRows + mt * 16 + g + rr * 8; };
 
   const int part = blockIdx.x;
   const int m0 = blockIdx.y * kBlockM;
@@ -214,7 +230,6 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         const int64_t pg = live ? page[ps] : 0;
         const char* ckv_row = ckv + (pg * p.ckv_page_stride + sl * p.ckv_token_stride) * kKvElem;
         const char* kpe_row = kpe + (pg * p.kpe_page_stride + sl * p.kpe_token_stride) * kKvElem;
-        char* dst = dst_stage + r * Tr::kKvRowBytes;
 #pragma unroll
         for (int j = 0; j < Tr::kKvChunksPerThread; ++j) {
           const int c = copy_lane + j * Tr::kThreadsPerRow;
@@ -222,7 +237,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             const char* src = (Tr::KvTag::kContiguousRow || c < Tr::kNopeChunks)
                                   ? ckv_row + c * 16
                                   : kpe_row + (c - Tr::kNopeChunks) * 16;
-            cp_async_16(dst + c * 16, src, live);
+            char* dst = Tr::kFp8Kv ? dst_stage + r * Tr::kKvRowBytes + c * 16
+                                   : dst_stage + tile_offset<Tr>(r, c * 8) * 2;
+            cp_async_16(dst, src, live);
           }
         }
       }
@@ -236,23 +253,36 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       const char* qp = q_pe + grow * p.q_pe_row_stride * 2;
       for (int c = copy_lane; c < Tr::kDimQK / 8; c += Tr::kThreadsPerRow) {
         const char* src = c < Tr::kDimNope / 8 ? qn + c * 16 : qp + (c - Tr::kDimNope / 8) * 16;
-        cp_async_16(reinterpret_cast<char*>(sQ + r * kStride) + c * 16, src, live);
+        cp_async_16(sQ + tile_offset<Tr>(r, c * 8), src, live);
       }
     }
 
-    // Visible length of the two rows this thread owns in S and O.
-    int64_t limit[2];
+    // Visible length of the rows this thread owns in S and O (positions fit
+    // in 32 bits: a request's length is an int32).
+    int limit[kMT][2];
 #pragma unroll
-    for (int rr = 0; rr < 2; ++rr) {
-      const int row = m0 + wm * 16 + g + rr * 8;
-      const int qi = row < rows ? row / p.num_heads : 0;
-      limit[rr] = row < rows ? visible_len(seq_len, p.q_len, qi, p.causal) : 0;
-    }
+    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+      for (int rr = 0; rr < 2; ++rr) {
+        const int row = m0 + my_row(mt, rr);
+        const int qi = row < rows ? row / p.num_heads : 0;
+        limit[mt][rr] = row < rows ? static_cast<int>(visible_len(seq_len, p.q_len, qi, p.causal)) : 0;
+      }
 
-    float acc_o[Tr::kOTiles][4];
+    float acc_o[kMT][Tr::kOTiles][4];
 #pragma unroll
-    for (int j = 0; j < Tr::kOTiles; ++j) acc_o[j][0] = acc_o[j][1] = acc_o[j][2] = acc_o[j][3] = 0.f;
-    float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
+    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+      for (int j = 0; j < Tr::kOTiles; ++j)
+        acc_o[mt][j][0] = acc_o[mt][j][1] = acc_o[mt][j][2] = acc_o[mt][j][3] = 0.f;
+    float row_max[kMT][2], row_sum[kMT][2];
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+      for (int rr = 0; rr < 2; ++rr) {
+        row_max[mt][rr] = -INFINITY;
+        row_sum[mt][rr] = 0.f;
+      }
 
     int pages[Tr::kKvPasses], slots[Tr::kKvPasses];
     if (num_tiles > 0) {
@@ -274,179 +304,212 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         T* dst = const_cast<T*>(kv_tile);
         for (int c = tid; c < kBlockN * kConvertUnits; c += Tr::kThreads) {
           const int r = c / kConvertUnits, col = c % kConvertUnits;
-          convert_chunk<Tr>(src + r * Tr::kKvRowBytes, dst + r * kStride, col);
+          convert_chunk<Tr>(src + r * Tr::kKvRowBytes, dst + r * Tr::kRowStride, col);
         }
         __syncthreads();
       }
       const T* sK = Tr::kFp8Kv ? kv_tile
                                : reinterpret_cast<const T*>(sKvStage + (t % Tr::kStages) * Tr::kStageBytes);
 
-      // S = Q K^T for this warp's 16 rows x kSCols tokens. The 36 k-steps
-      // accumulate into kSplitK independent sets so that consecutive MMAs do
-      // not wait on each other (one chain would be latency-bound).
-      constexpr int kSplitK = Tr::kSTiles == 2 ? 2 : 4;
-      float acc_k[kSplitK][Tr::kSTiles][4];
+      // S = Q K^T for this warp's kWarpRows rows x kSCols tokens. The 36
+      // k-steps accumulate into kSplitK independent sets so that consecutive
+      // MMAs do not wait on each other.
+      constexpr int kSplitK = Tr::kSTiles * kMT >= 4 ? 1 : (Tr::kSTiles == 2 ? 2 : 4);
+      float acc_k[kSplitK][kMT][Tr::kSTiles][4];
 #pragma unroll
       for (int sk = 0; sk < kSplitK; ++sk)
 #pragma unroll
-        for (int n = 0; n < Tr::kSTiles; ++n) acc_k[sk][n][0] = acc_k[sk][n][1] = acc_k[sk][n][2] = acc_k[sk][n][3] = 0.f;
-      const T* q_frag = sQ + (wm * 16 + lane % 16) * kStride + 8 * (lane / 16);
-      const T* k_frag = Tr::kSTiles == 2
-                            ? sK + (wn * 16 + lane % 8 + 8 * (lane / 16)) * kStride + 8 * ((lane / 8) % 2)
-                            : sK + (wn * 8 + lane % 8) * kStride + 8 * ((lane / 8) % 2);
-#pragma unroll 2
+        for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+          for (int n = 0; n < Tr::kSTiles; ++n)
+            acc_k[sk][mt][n][0] = acc_k[sk][mt][n][1] = acc_k[sk][mt][n][2] = acc_k[sk][mt][n][3] = 0.f;
+      // ldmatrix rows: Q rows of each m-tile; K rows of the warp's tokens.
+      const int q_row0 = wm * Tr::kWarpRows + lane % 16;
+      const int q_col8 = lane / 16;                  // which 8 of the 16 k values
+      const int k_row = Tr::kSTiles == 2 ? wn * 16 + lane % 8 + 8 * (lane / 16) : wn * 8 + lane % 8;
+      const int k_col8 = (lane / 8) % 2;
+#pragma unroll(kMT == 1 ? 2 : 1)
       for (int ks0 = 0; ks0 < Tr::kDimQK / 16; ks0 += kSplitK) {
 #pragma unroll
         for (int sk = 0; sk < kSplitK; ++sk) {
           const int ks = ks0 + sk;
-          uint32_t a[4];
-          ldsm_x4(q_frag + ks * 16, a);
+          uint32_t a[kMT][4];
+#pragma unroll
+          for (int mt = 0; mt < kMT; ++mt) ldsm_x4(sQ + tile_offset<Tr>(q_row0 + mt * 16, ks * 16 + 8 * q_col8), a[mt]);
           if constexpr (Tr::kSTiles == 2) {
             uint32_t bk[4];
-            ldsm_x4(k_frag + ks * 16, bk);
-            mma16816<T>(acc_k[sk][0], a, bk[0], bk[1]);
-            mma16816<T>(acc_k[sk][1], a, bk[2], bk[3]);
+            ldsm_x4(sK + tile_offset<Tr>(k_row, ks * 16 + 8 * k_col8), bk);
+#pragma unroll
+            for (int mt = 0; mt < kMT; ++mt) {
+              mma16816<T>(acc_k[sk][mt][0], a[mt], bk[0], bk[1]);
+              mma16816<T>(acc_k[sk][mt][1], a[mt], bk[2], bk[3]);
+            }
           } else {
             uint32_t bk[2];
-            ldsm_x2(k_frag + ks * 16, bk);
-            mma16816<T>(acc_k[sk][0], a, bk[0], bk[1]);
+            ldsm_x2(sK + tile_offset<Tr>(k_row, ks * 16 + 8 * k_col8), bk);
+#pragma unroll
+            for (int mt = 0; mt < kMT; ++mt) mma16816<T>(acc_k[sk][mt][0], a[mt], bk[0], bk[1]);
           }
         }
       }
-      float acc_s[Tr::kSTiles][4];
+      float acc_s[kMT][Tr::kSTiles][4];
 #pragma unroll
-      for (int n = 0; n < Tr::kSTiles; ++n)
+      for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          float v = acc_k[0][n][e];
+        for (int n = 0; n < Tr::kSTiles; ++n)
 #pragma unroll
-          for (int sk = 1; sk < kSplitK; ++sk) v += acc_k[sk][n][e];
-          acc_s[n][e] = v;
-        }
+          for (int e = 0; e < 4; ++e) {
+            float v = acc_k[0][mt][n][e];
+#pragma unroll
+            for (int sk = 1; sk < kSplitK; ++sk) v += acc_k[sk][mt][n][e];
+            acc_s[mt][n][e] = v;
+          }
 
       // Mask, scale (log2 domain) and the tile's row maxima across warps.
-      const int64_t tok0 = int64_t{tile_begin + t} * kBlockN + wn * Tr::kSCols + 2 * tig;
+      const int tok0 = (tile_begin + t) * kBlockN + wn * Tr::kSCols + 2 * tig;
       const uint8_t* valid = sValid + (t % Tr::kStages) * kBlockN + wn * Tr::kSCols + 2 * tig;
-      float tile_max[2] = {-INFINITY, -INFINITY};
+      float tile_max[kMT][2];
 #pragma unroll
-      for (int n = 0; n < Tr::kSTiles; ++n) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int rr = e / 2;
-          const int64_t tok = tok0 + n * 8 + (e % 2);
-          const bool visible = tok < limit[rr] && valid[n * 8 + (e % 2)];
-          const float s = visible ? acc_s[n][e] * scale_log2 : -INFINITY;
-          acc_s[n][e] = s;
-          tile_max[rr] = fmaxf(tile_max[rr], s);
-        }
-      }
-#pragma unroll
-      for (int rr = 0; rr < 2; ++rr) {
-        tile_max[rr] = fmaxf(tile_max[rr], __shfl_xor_sync(0xffffffffu, tile_max[rr], 1));
-        tile_max[rr] = fmaxf(tile_max[rr], __shfl_xor_sync(0xffffffffu, tile_max[rr], 2));
-        if (tig == 0) sRed[wn * kBlockM + wm * 16 + g + rr * 8] = tile_max[rr];
-      }
-      __syncthreads();
-      float correction[2];
-#pragma unroll
-      for (int rr = 0; rr < 2; ++rr) {
-        float m = row_max[rr];
-#pragma unroll
-        for (int w = 0; w < Tr::kWarpsN; ++w) m = fmaxf(m, sRed[w * kBlockM + wm * 16 + g + rr * 8]);
-        const float m_use = m == -INFINITY ? 0.f : m;  // fully masked so far: avoid inf - inf
-        correction[rr] = exp2f(row_max[rr] - m_use);
-        row_max[rr] = m;
-        row_sum[rr] *= correction[rr];
+      for (int mt = 0; mt < kMT; ++mt) {
+        tile_max[mt][0] = tile_max[mt][1] = -INFINITY;
 #pragma unroll
         for (int n = 0; n < Tr::kSTiles; ++n) {
-          acc_s[n][2 * rr] = exp2f(acc_s[n][2 * rr] - m_use);
-          acc_s[n][2 * rr + 1] = exp2f(acc_s[n][2 * rr + 1] - m_use);
-          row_sum[rr] += acc_s[n][2 * rr] + acc_s[n][2 * rr + 1];
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int rr = e / 2;
+            const int tok = tok0 + n * 8 + (e % 2);
+            const bool visible = tok < limit[mt][rr] && valid[n * 8 + (e % 2)];
+            const float s = visible ? acc_s[mt][n][e] * scale_log2 : -INFINITY;
+            acc_s[mt][n][e] = s;
+            tile_max[mt][rr] = fmaxf(tile_max[mt][rr], s);
+          }
+        }
+#pragma unroll
+        for (int rr = 0; rr < 2; ++rr) {
+          tile_max[mt][rr] = fmaxf(tile_max[mt][rr], __shfl_xor_sync(0xffffffffu, tile_max[mt][rr], 1));
+          tile_max[mt][rr] = fmaxf(tile_max[mt][rr], __shfl_xor_sync(0xffffffffu, tile_max[mt][rr], 2));
+          if (tig == 0) sRed[wn * kBlockM + my_row(mt, rr)] = tile_max[mt][rr];
         }
       }
+      __syncthreads();
+      float correction[kMT][2];
 #pragma unroll
-      for (int n = 0; n < Tr::kSTiles; ++n) {
-        const int col = wn * Tr::kSCols + n * 8 + 2 * tig;
-        *reinterpret_cast<uint32_t*>(sP + (wm * 16 + g) * Tr::kPStride + col) = pack2<T>(acc_s[n][0], acc_s[n][1]);
-        *reinterpret_cast<uint32_t*>(sP + (wm * 16 + g + 8) * Tr::kPStride + col) =
-            pack2<T>(acc_s[n][2], acc_s[n][3]);
-      }
+      for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
-      for (int j = 0; j < Tr::kOTiles; ++j) {
-        acc_o[j][0] *= correction[0];
-        acc_o[j][1] *= correction[0];
-        acc_o[j][2] *= correction[1];
-        acc_o[j][3] *= correction[1];
-      }
+        for (int rr = 0; rr < 2; ++rr) {
+          float m = row_max[mt][rr];
+#pragma unroll
+          for (int w = 0; w < Tr::kWarpsN; ++w) m = fmaxf(m, sRed[w * kBlockM + my_row(mt, rr)]);
+          const float m_use = m == -INFINITY ? 0.f : m;  // fully masked so far: avoid inf - inf
+          correction[mt][rr] = exp2f(row_max[mt][rr] - m_use);
+          row_max[mt][rr] = m;
+          row_sum[mt][rr] *= correction[mt][rr];
+#pragma unroll
+          for (int n = 0; n < Tr::kSTiles; ++n) {
+            acc_s[mt][n][2 * rr] = exp2f(acc_s[mt][n][2 * rr] - m_use);
+            acc_s[mt][n][2 * rr + 1] = exp2f(acc_s[mt][n][2 * rr + 1] - m_use);
+            row_sum[mt][rr] += acc_s[mt][n][2 * rr] + acc_s[mt][n][2 * rr + 1];
+          }
+        }
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+        for (int n = 0; n < Tr::kSTiles; ++n) {
+          const int col = wn * Tr::kSCols + n * 8 + 2 * tig;
+          *reinterpret_cast<uint32_t*>(sP + my_row(mt, 0) * Tr::kPStride + col) =
+              pack2<T>(acc_s[mt][n][0], acc_s[mt][n][1]);
+          *reinterpret_cast<uint32_t*>(sP + my_row(mt, 1) * Tr::kPStride + col) =
+              pack2<T>(acc_s[mt][n][2], acc_s[mt][n][3]);
+        }
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+        for (int j = 0; j < Tr::kOTiles; ++j) {
+          acc_o[mt][j][0] *= correction[mt][0];
+          acc_o[mt][j][1] *= correction[mt][0];
+          acc_o[mt][j][2] *= correction[mt][1];
+          acc_o[mt][j][3] *= correction[mt][1];
+        }
       __syncthreads();  // P complete
 
-      // O += P V for this warp's 16 rows x kOCols outputs (V = ckv part).
+      // O += P V for this warp's kWarpRows rows x kOCols outputs (V = ckv part).
 #pragma unroll
       for (int kk = 0; kk < kBlockN / 16; ++kk) {
-        uint32_t a[4];
-        ldsm_x4(sP + (wm * 16 + lane % 16) * Tr::kPStride + kk * 16 + 8 * (lane / 16), a);
-        const T* v_frag = sK + (kk * 16 + lane % 16) * kStride + wn * Tr::kOCols + 8 * (lane / 16);
+        uint32_t a[kMT][4];
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt)
+          ldsm_x4(sP + (q_row0 + mt * 16) * Tr::kPStride + kk * 16 + 8 * (lane / 16), a[mt]);
+        const int v_row = kk * 16 + lane % 16;
 #pragma unroll
         for (int j2 = 0; j2 < Tr::kOTiles / 2; ++j2) {
           uint32_t bv[4];
-          ldsm_x4_trans(v_frag + j2 * 16, bv);
-          mma16816<T>(acc_o[2 * j2], a, bv[0], bv[1]);
-          mma16816<T>(acc_o[2 * j2 + 1], a, bv[2], bv[3]);
+          ldsm_x4_trans(sK + tile_offset<Tr>(v_row, wn * Tr::kOCols + j2 * 16 + 8 * (lane / 16)), bv);
+#pragma unroll
+          for (int mt = 0; mt < kMT; ++mt) {
+            mma16816<T>(acc_o[mt][2 * j2], a[mt], bv[0], bv[1]);
+            mma16816<T>(acc_o[mt][2 * j2 + 1], a[mt], bv[2], bv[3]);
+          }
         }
       }
     }
 
     // Epilogue: row sums across the quad and the kWarpsN column warps.
 #pragma unroll
-    for (int rr = 0; rr < 2; ++rr) {
-      row_sum[rr] += __shfl_xor_sync(0xffffffffu, row_sum[rr], 1);
-      row_sum[rr] += __shfl_xor_sync(0xffffffffu, row_sum[rr], 2);
-    }
+    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+      for (int rr = 0; rr < 2; ++rr) {
+        row_sum[mt][rr] += __shfl_xor_sync(0xffffffffu, row_sum[mt][rr], 1);
+        row_sum[mt][rr] += __shfl_xor_sync(0xffffffffu, row_sum[mt][rr], 2);
+      }
     __syncthreads();  // sRed's last readers are done
 #pragma unroll
-    for (int rr = 0; rr < 2; ++rr) {
-      if (tig == 0) sRed[wn * kBlockM + wm * 16 + g + rr * 8] = row_sum[rr];
-    }
+    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+      for (int rr = 0; rr < 2; ++rr)
+        if (tig == 0) sRed[wn * kBlockM + my_row(mt, rr)] = row_sum[mt][rr];
     __syncthreads();
     const bool bad = !len_ok || s_bad_page != 0;
     const bool split = splits > 1;
 #pragma unroll
-    for (int rr = 0; rr < 2; ++rr) {
-      const int row = m0 + wm * 16 + g + rr * 8;
-      if (row >= rows) continue;
-      float total = 0.f;
+    for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
-      for (int w = 0; w < Tr::kWarpsN; ++w) total += sRed[w * kBlockM + wm * 16 + g + rr * 8];
-      float lse, scale;
-      if (bad) {
-        lse = NAN;
-        scale = NAN;
-      } else if (total > 0.f) {
-        lse = row_max[rr] * kLn2 + logf(total);
-        scale = kv_scale / total;
-        if (p.attn_sink != nullptr && !split) {  // split rows get the sink in combine
-          scale /= 1.f + __expf(p.attn_sink[row % p.num_heads] - lse);
+      for (int rr = 0; rr < 2; ++rr) {
+        const int row = m0 + my_row(mt, rr);
+        if (row >= rows) continue;
+        float total = 0.f;
+#pragma unroll
+        for (int w = 0; w < Tr::kWarpsN; ++w) total += sRed[w * kBlockM + my_row(mt, rr)];
+        float lse, scale;
+        if (bad) {
+          lse = NAN;
+          scale = NAN;
+        } else if (total > 0.f) {
+          lse = row_max[mt][rr] * kLn2 + logf(total);
+          scale = kv_scale / total;
+          if (p.attn_sink != nullptr && !split) {  // split rows get the sink in combine
+            scale /= 1.f + __expf(p.attn_sink[row % p.num_heads] - lse);
+          }
+        } else {
+          lse = -INFINITY;  // nothing visible: out 0
+          scale = 0.f;
         }
-      } else {
-        lse = -INFINITY;  // nothing visible: out 0
-        scale = 0.f;
-      }
-      const int64_t out_row = split ? int64_t{item} * rows + row : int64_t{b} * rows + row;
-      if (split) {
-        float* dst = ws.out_accum + out_row * Tr::kDimNope + wn * Tr::kOCols + 2 * tig;
+        const int64_t out_row = split ? int64_t{item} * rows + row : int64_t{b} * rows + row;
+        if (split) {
+          float* dst = ws.out_accum + out_row * Tr::kDimNope + wn * Tr::kOCols + 2 * tig;
 #pragma unroll
-        for (int j = 0; j < Tr::kOTiles; ++j)
-          *reinterpret_cast<float2*>(dst + j * 8) =
-              make_float2(acc_o[j][2 * rr] * scale, acc_o[j][2 * rr + 1] * scale);
-        if (wn == 0 && tig == 0) ws.lse_accum[out_row] = lse;
-      } else {
-        T* dst = static_cast<T*>(p.out) + out_row * Tr::kDimNope + wn * Tr::kOCols + 2 * tig;
+          for (int j = 0; j < Tr::kOTiles; ++j)
+            *reinterpret_cast<float2*>(dst + j * 8) =
+                make_float2(acc_o[mt][j][2 * rr] * scale, acc_o[mt][j][2 * rr + 1] * scale);
+          if (wn == 0 && tig == 0) ws.lse_accum[out_row] = lse;
+        } else {
+          T* dst = static_cast<T*>(p.out) + out_row * Tr::kDimNope + wn * Tr::kOCols + 2 * tig;
 #pragma unroll
-        for (int j = 0; j < Tr::kOTiles; ++j)
-          *reinterpret_cast<uint32_t*>(dst + j * 8) = pack2<T>(acc_o[j][2 * rr] * scale, acc_o[j][2 * rr + 1] * scale);
-        if (wn == 0 && tig == 0) p.lse[out_row] = lse;
+          for (int j = 0; j < Tr::kOTiles; ++j)
+            *reinterpret_cast<uint32_t*>(dst + j * 8) =
+                pack2<T>(acc_o[mt][j][2 * rr] * scale, acc_o[mt][j][2 * rr + 1] * scale);
+          if (wn == 0 && tig == 0) p.lse[out_row] = lse;
+        }
       }
-    }
   }
 }
 
@@ -468,7 +531,15 @@ cudaError_t dispatch_decode(const PagedDecodeParams& p, const DecodeWorkspace& w
   switch (rows_per_cta(p.rows_per_request())) {
     case 16: return launch_decode<DecodeTraits<QType, KvTag, 16, 64>>(p, ws, stream);
     case 32: return launch_decode<DecodeTraits<QType, KvTag, 32, 64>>(p, ws, stream);
-    default: return launch_decode<DecodeTraits<QType, KvTag, 64, 32>>(p, ws, stream);
+    default:
+      if constexpr (std::is_same_v<KvTag, KvNative>) {
+        // 64 rows as 2 x 4 warps of 32 rows x 16 tokens, 64-token tiles in
+        // swizzled (unpadded) smem: half the K/V shared-memory reads per
+        // token of the 4 x 2 layout, which is shared-memory bound.
+        return launch_decode<DecodeTraits<QType, KvTag, 64, 64, 2, true>>(p, ws, stream);
+      } else {  // a converted FP8 tile does not fit beside 64-token stages
+        return launch_decode<DecodeTraits<QType, KvTag, 64, 32>>(p, ws, stream);
+      }
   }
 }
 

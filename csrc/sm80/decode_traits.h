@@ -32,7 +32,11 @@ struct KvDsMla {       // DeepSeek V3.2 656-byte rows: e4m3 ckv, 4 f32 scales, b
   static constexpr bool kConvert = true, kContiguousRow = true;
 };
 
-template <typename QType_, typename KvTag_, int kBlockM_, int kBlockN_>
+// kMTiles: 16-row MMA tiles per warp (2 halves the times each K/V element
+// is read from shared memory). kSwizzle: XOR-swizzled 16-byte chunks instead
+// of padded rows (saves the padding, so 64-token tiles fit beside a 64-row Q).
+template <typename QType_, typename KvTag_, int kBlockM_, int kBlockN_, int kMTiles_ = 1,
+          bool kSwizzle_ = false>
 struct DecodeTraits {
   using QType = QType_;  // __nv_bfloat16 or __half; also the MMA and output type
   using KvTag = KvTag_;
@@ -46,20 +50,24 @@ struct DecodeTraits {
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kWarps = 8;
   static constexpr int kThreads = kWarps * 32;
-  static constexpr int kWarpsM = kBlockM / 16;
+  static constexpr int kMTiles = kMTiles_;
+  static constexpr bool kSwizzle = kSwizzle_;
+  static constexpr int kWarpRows = 16 * kMTiles;
+  static constexpr int kWarpsM = kBlockM / kWarpRows;
   static constexpr int kWarpsN = kWarps / kWarpsM;
   static constexpr int kSCols = kBlockN / kWarpsN;   // S columns per warp (8 or 16)
   static constexpr int kSTiles = kSCols / 8;
   static constexpr int kOCols = kDimNope / kWarpsN;  // O columns per warp
   static constexpr int kOTiles = kOCols / 8;
   static constexpr int kStages = 2;
-  static_assert(kBlockM % 16 == 0 && kWarps % kWarpsM == 0);
+  static_assert(kBlockM % kWarpRows == 0 && kWarps % kWarpsM == 0);
+  static_assert(!(kSwizzle && KvTag::kConvert), "swizzled tiles hold native bf16/fp16 rows only");
   static_assert(kSTiles == 1 || kSTiles == 2);
   static_assert(kBlockN % 16 == 0 && 64 % kBlockN == 0);
 
   // Shared memory (bytes). Q and the MMA-ready KV tile hold QType rows of
   // kRowStride elements; an FP8 cache lands in a byte staging buffer first.
-  static constexpr int kRowStride = kDimQK + 8;
+  static constexpr int kRowStride = kSwizzle ? kDimQK : kDimQK + 8;
   static constexpr int kPStride = kBlockN + 8;
   static constexpr int kKvChunks = KvTag::kRowBytes / 16;  // 16-byte chunks per cache row
   static constexpr int kNopeChunks = KvTag::kNopeBytes / 16;
