@@ -22,6 +22,10 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kSplitOverhead = 2;
+// Least work (blocks) worth a partition of its own: below it, a split's
+// fixed cost (query load, partial write, combine read) outweighs the
+// parallelism, so small batches use fewer partitions.
+constexpr int kMinPartWork = 8;
 
 // An invalid request has no blocks: one empty item writes its NaN output.
 __device__ __forceinline__ int num_blocks_of(const PagedDecodeParams& p, const DecodeWorkspace& ws, int b) {
@@ -50,7 +54,6 @@ __global__ void __launch_bounds__(kThreads) schedule_kernel(PagedDecodeParams p,
   __shared__ longlong2 s_carry;  // (items, work) before the current chunk
   const int tid = threadIdx.x;
   const int batch = p.batch;
-  const int parts = ws.num_parts;
 
   // 1. Total work on the line.
   int64_t local = 0;
@@ -62,6 +65,8 @@ __global__ void __launch_bounds__(kThreads) schedule_kernel(PagedDecodeParams p,
   }
   __syncthreads();
   const int64_t work = s_total;
+  const int64_t wanted = (work + kMinPartWork - 1) / kMinPartWork;
+  const int parts = static_cast<int>(wanted < ws.num_parts ? (wanted > 0 ? wanted : 1) : ws.num_parts);
 
   // 2. Per chunk of requests: place on the line (scan), the partitions its
   //    blocks fall in, and its items (second scan for the item offsets).
@@ -129,12 +134,12 @@ __global__ void __launch_bounds__(kThreads) schedule_kernel(PagedDecodeParams p,
     const int q = ws.items[4 * i + 3];
     const int q_prev = i == 0 ? -1 : ws.items[4 * (i - 1) + 3];
     for (int k = q_prev + 1; k <= q; ++k) ws.part_begin[k] = i;
-    if (i == num_items - 1) {
-      for (int k = q + 1; k <= parts; ++k) ws.part_begin[k] = num_items;
+    if (i == num_items - 1) {  // unused partitions (>= parts) get no items
+      for (int k = q + 1; k <= ws.num_parts; ++k) ws.part_begin[k] = num_items;
     }
   }
   if (num_items == 0) {
-    for (int k = tid; k <= parts; k += kThreads) ws.part_begin[k] = 0;
+    for (int k = tid; k <= ws.num_parts; k += kThreads) ws.part_begin[k] = 0;
   }
 }
 
