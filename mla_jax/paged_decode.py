@@ -27,6 +27,24 @@ def _out_types(q_nope, dn):
           jax.ShapeDtypeStruct((b, q, h), jnp.float32))
 
 
+def _operand_layouts(q_axis_added: bool, num_operands: int):
+  """input_layouts for the kernel call (major to minor; None: row-major).
+
+  A query given without a Q axis ([B, H, D], plan.q_len 1) reaches the kernel
+  through a reshape to [B, 1, H, D]. XLA (jax 0.10) lays that reshape out as
+  {3,2,0,1}, a bitcast of the caller's buffer, and would copy it to reach the
+  default row-major {3,2,1,0}. With a size-1 axis both are the same bytes, so
+  the kernel is asked for the bitcast's layout (major to minor (1, 0, 2, 3))
+  and gets the caller's buffer. A query that has its Q axis keeps row-major:
+  that is its own parameter layout. Results need nothing: the kernel's
+  row-major [B, 1, H, ...] outputs bitcast to [B, H, ...].
+  """
+  if not q_axis_added:
+    return None
+  q = (1, 0, 2, 3)
+  return (q, q) + (None,) * (num_operands - 2)
+
+
 def _attrs(plan: DecodePlan):
   return dict(sm_scale=np.float32(plan.sm_scale), causal=bool(plan.causal),
               kv_lora_rank=int(plan.kv_lora_rank),
@@ -46,9 +64,9 @@ def _varying_like_inputs(call):
   them with the pure-JAX branch, and the types would claim replication)."""
 
   @functools.wraps(call)
-  def wrapped(plan, *args):
+  def wrapped(plan, *args, **kwargs):
     axes = frozenset().union(*map(_varying_axes, args))
-    outs = call(plan, *args)
+    outs = call(plan, *args, **kwargs)
     return tuple(jax.lax.pcast(o, tuple(sorted(axes - _varying_axes(o), key=str)), to="varying")
                  for o in outs)
 
@@ -56,45 +74,53 @@ def _varying_like_inputs(call):
 
 
 @_varying_like_inputs
-def _cpu_call(plan: DecodePlan, *args):
-  return tuple(jax.ffi.ffi_call(_ffi.CPU_TARGET, _out_types(args[0], plan.kv_lora_rank))(
-      *args, **_attrs(plan)))
+def _cpu_call(plan: DecodePlan, *args, q_axis_added: bool = False):
+  call = jax.ffi.ffi_call(_ffi.CPU_TARGET, _out_types(args[0], plan.kv_lora_rank),
+                          input_layouts=_operand_layouts(q_axis_added, len(args)))
+  return tuple(call(*args, **_attrs(plan)))
 
 
 @_varying_like_inputs
-def _cuda_call(plan: DecodePlan, *args):
+def _cuda_call(plan: DecodePlan, *args, q_axis_added: bool = False):
   if plan.kv_lora_rank != 512 or plan.qk_rope_head_dim != 64:
     raise ValueError("backend 'cuda' needs kv_lora_rank=512 and qk_rope_head_dim=64, got "
                      f"{plan.kv_lora_rank} and {plan.qk_rope_head_dim}; use backend 'cpu' or 'xla'")
   q_nope = args[0]
   b, q, h = q_nope.shape[:3]
   scratch = split_kv_scratch(b, q * h, plan.kv_lora_rank)
-  res = jax.ffi.ffi_call(_ffi.CUDA_TARGET, _out_types(q_nope, plan.kv_lora_rank) + scratch)(
+  res = jax.ffi.ffi_call(_ffi.CUDA_TARGET, _out_types(q_nope, plan.kv_lora_rank) + scratch,
+                         input_layouts=_operand_layouts(q_axis_added, len(args)))(
       *args, max_num_splits=int(plan.max_num_splits or 0), **_attrs(plan))
   return res[0], res[1]
 
 
-def _xla_call(plan: DecodePlan, *args):
+def _xla_call(plan: DecodePlan, *args, q_axis_added: bool = False):
+  del q_axis_added  # XLA picks its own layouts
   return paged_decode_xla(DecodeInputs(*args, query_had_q_axis=True), plan)
 
 
-def _local_decode(plan: DecodePlan, *args):
-  """One device's decode on local (possibly sharded) operands."""
+def _local_decode(plan: DecodePlan, *args, q_axis_added: bool = False):
+  """One device's decode on local (possibly sharded) operands.
+
+  q_axis_added: the caller's query had no Q axis (see _operand_layouts).
+  """
   backend = plan.backend
   if backend == "xla":
     return _xla_call(plan, *args)
   _ffi.require_extension()
   if backend == "cpu":
-    return _cpu_call(plan, *args)
+    return _cpu_call(plan, *args, q_axis_added=q_axis_added)
   if backend == "cuda":
     if not _ffi.has_cuda_kernels():
       raise RuntimeError("backend 'cuda': mla_jax was built without CUDA kernels "
                          "(no CUDA toolkit at build time, or MLA_JAX_CUDA=0)")
-    return _cuda_call(plan, *args)
+    return _cuda_call(plan, *args, q_axis_added=q_axis_added)
   # "auto": the lowering platform picks the branch; nothing else is lowered.
-  cuda = functools.partial(_cuda_call if _ffi.has_cuda_kernels() else _xla_call, plan)
-  return jax.lax.platform_dependent(*args, cpu=functools.partial(_cpu_call, plan), cuda=cuda,
-                                    default=functools.partial(_xla_call, plan))
+  cuda = functools.partial(_cuda_call if _ffi.has_cuda_kernels() else _xla_call, plan,
+                           q_axis_added=q_axis_added)
+  return jax.lax.platform_dependent(
+      *args, cpu=functools.partial(_cpu_call, plan, q_axis_added=q_axis_added), cuda=cuda,
+      default=functools.partial(_xla_call, plan))
 
 
 # --- sharding: custom_partitioning with a Shardy rule -----------------------
@@ -120,20 +146,22 @@ def _shardings(mesh, batch_axis, head_axis):
   return args, outs
 
 
-def _infer(plan, mesh, arg_shapes, result_shape):
-  del plan, result_shape
+def _infer(plan, q_axis_added, mesh, arg_shapes, result_shape):
+  del plan, q_axis_added, result_shape
   return _shardings(mesh, *_query_axes(arg_shapes[0].sharding))[1]
 
 
-def _partition(plan, mesh, arg_shapes, result_shape):
+def _partition(plan, q_axis_added, mesh, arg_shapes, result_shape):
   del result_shape
   args, outs = _shardings(mesh, *_query_axes(arg_shapes[0].sharding))
-  return mesh, functools.partial(_local_decode, plan), outs, args
+  return mesh, functools.partial(_local_decode, plan, q_axis_added=q_axis_added), outs, args
 
 
-@functools.partial(custom_partitioning, static_argnums=(7,))
-def _partitioned_decode(q_nope, q_pe, ckv, kpe, block_table, seq_lens, kv_scale, plan):
-  return _local_decode(plan, q_nope, q_pe, ckv, kpe, block_table, seq_lens, kv_scale)
+@functools.partial(custom_partitioning, static_argnums=(7, 8))
+def _partitioned_decode(q_nope, q_pe, ckv, kpe, block_table, seq_lens, kv_scale, plan,
+                        q_axis_added):
+  return _local_decode(plan, q_nope, q_pe, ckv, kpe, block_table, seq_lens, kv_scale,
+                       q_axis_added=q_axis_added)
 
 
 _partitioned_decode.def_partition(
@@ -148,7 +176,7 @@ def _trace_mesh(x):
   return mesh
 
 
-def _sharded_decode(plan: DecodePlan, *args):
+def _sharded_decode(plan: DecodePlan, *args, q_axis_added: bool = False):
   """Calls the op in every JAX sharding mode.
 
   * Auto axes (jax.jit with NamedSharding inputs): Shardy propagates the
@@ -172,7 +200,8 @@ def _sharded_decode(plan: DecodePlan, *args):
   if explicit:
     b, h = _query_axes(jax.typeof(args[0]).sharding)
     arg_specs, out_specs = (tuple(s.spec for s in ss) for ss in _shardings(mesh, b, h))
-    local = functools.partial(_sharded_decode, plan)   # the explicit axes are manual there
+    # the explicit axes are manual there
+    local = functools.partial(_sharded_decode, plan, q_axis_added=q_axis_added)
     with contextlib.ExitStack() as stack:
       if jax.sharding.get_abstract_mesh().empty:  # explicit types but no jax.set_mesh
         stack.enter_context(jax.sharding.use_abstract_mesh(mesh))
@@ -180,18 +209,23 @@ def _sharded_decode(plan: DecodePlan, *args):
       return jax.shard_map(local, mesh=mesh, in_specs=arg_specs, out_specs=out_specs,
                            axis_names=explicit)(*args)
   if manual:
-    return _local_decode(plan, *args)
-  return _partitioned_decode(*args, plan)
+    return _local_decode(plan, *args, q_axis_added=q_axis_added)
+  return _partitioned_decode(*args, plan, q_axis_added)
 
 
 # --- vmap and autodiff --------------------------------------------------------
 @functools.cache
-def _decode_fn(plan: DecodePlan):
-  """The op for one plan: vmap folds into the batch, autodiff is refused."""
+def _decode_fn(plan: DecodePlan, q_axis_added: bool = False):
+  """The op for one plan: vmap folds into the batch, autodiff is refused.
+
+  q_axis_added: the caller's query had no Q axis (normalize added it); the
+  kernel then takes the query in the reshape's layout (_operand_layouts).
+  """
 
   @jax.custom_batching.custom_vmap
   def decode(q_nope, q_pe, ckv, kpe, block_table, seq_lens, kv_scale):
-    return _sharded_decode(plan, q_nope, q_pe, ckv, kpe, block_table, seq_lens, kv_scale)
+    return _sharded_decode(plan, q_nope, q_pe, ckv, kpe, block_table, seq_lens, kv_scale,
+                           q_axis_added=q_axis_added)
 
   @decode.def_vmap
   def _decode_vmap(axis_size, in_batched, *args):
@@ -282,8 +316,9 @@ def paged_decode(query, kv_cache, block_table, seq_lens, *, plan: DecodePlan,
     RuntimeError: backend "cuda" requested but not compiled in.
   """
   inputs = normalize(query, kv_cache, block_table, seq_lens, plan, kv_scale)
-  out, lse = _decode_fn(plan)(inputs.q_nope, inputs.q_pe, inputs.ckv, inputs.kpe,
-                              inputs.block_table, inputs.seq_lens, inputs.kv_scale)
+  decode = _decode_fn(plan, not inputs.query_had_q_axis)
+  out, lse = decode(inputs.q_nope, inputs.q_pe, inputs.ckv, inputs.kpe, inputs.block_table,
+                    inputs.seq_lens, inputs.kv_scale)
   if not inputs.query_had_q_axis:  # reshapes lower to bitcasts: no copy
     out = out.reshape(out.shape[:1] + out.shape[2:])
     lse = lse.reshape(lse.shape[:1] + lse.shape[2:])

@@ -25,28 +25,47 @@ def _out_types(q_nope, dn):
           jax.ShapeDtypeStruct((b, q, h), jnp.float32))
 
 
+def _operand_layouts(q_axis_added: bool, num_operands: int):
+  """input_layouts for the kernel call (major to minor; None: row-major).
+
+  A query given without a Q axis ([B, H, D]) reaches the kernel through a
+  reshape to [B, 1, H, D], which XLA (jax 0.10) lays out as {3,2,0,1} (a
+  bitcast of the caller's buffer) and would copy to row-major. With a size-1
+  axis both are the same bytes, so the kernel asks for the bitcast's layout
+  and gets the caller's buffer. A query with its Q axis keeps row-major. The
+  [B, K] -> [B, 1, K] indices and the results bitcast as they are.
+  """
+  if not q_axis_added:
+    return None
+  q = (1, 0, 2, 3)
+  return (q, q) + (None,) * (num_operands - 2)
+
+
 def _attrs(plan: SparseDecodePlan, has_sink: bool):
   return dict(sm_scale=np.float32(plan.sm_scale), kv_format=_KV_FORMAT_CODES[plan.kv_format],
               has_sink=bool(has_sink), kv_lora_rank=int(plan.kv_lora_rank),
               qk_rope_head_dim=int(plan.qk_rope_head_dim))
 
 
-def _cpu_call(plan: SparseDecodePlan, has_sink: bool, *args):
-  call = jax.ffi.ffi_call(_ffi.SPARSE_CPU_TARGET, _out_types(args[0], plan.kv_lora_rank))
+def _cpu_call(plan: SparseDecodePlan, has_sink: bool, q_axis_added: bool, *args):
+  call = jax.ffi.ffi_call(_ffi.SPARSE_CPU_TARGET, _out_types(args[0], plan.kv_lora_rank),
+                          input_layouts=_operand_layouts(q_axis_added, len(args)))
   return tuple(call(*args, **_attrs(plan, has_sink)))
 
 
-def _cuda_call(plan: SparseDecodePlan, has_sink: bool, *args):
+def _cuda_call(plan: SparseDecodePlan, has_sink: bool, q_axis_added: bool, *args):
   # Same operands and attributes as the CPU target, plus the split-KV
   # scratch: every query token is one kernel request of H rows.
   b, q, h = args[0].shape[:3]
   scratch = split_kv_scratch(b * q, h, plan.kv_lora_rank)
-  call = jax.ffi.ffi_call(_ffi.SPARSE_CUDA_TARGET, _out_types(args[0], plan.kv_lora_rank) + scratch)
+  call = jax.ffi.ffi_call(_ffi.SPARSE_CUDA_TARGET, _out_types(args[0], plan.kv_lora_rank) + scratch,
+                          input_layouts=_operand_layouts(q_axis_added, len(args)))
   res = call(*args, **_attrs(plan, has_sink))
   return res[0], res[1]
 
 
-def _xla_call(plan: SparseDecodePlan, has_sink: bool, *args):
+def _xla_call(plan: SparseDecodePlan, has_sink: bool, q_axis_added: bool, *args):
+  del q_axis_added  # XLA picks its own layouts
   return sparse_decode_xla(SparseInputs(*args, has_sink=has_sink, query_had_q_axis=True), plan)
 
 
@@ -54,34 +73,42 @@ def _has_cuda_sparse() -> bool:
   return _ffi.has_cuda_kernels() and _ffi.has_cuda_target(_ffi.SPARSE_CUDA_TARGET)
 
 
-def _local_sparse(plan: SparseDecodePlan, has_sink: bool, *args):
-  """One device's sparse decode on 4-D query / 3-D index operands."""
+def _local_sparse(plan: SparseDecodePlan, has_sink: bool, q_axis_added: bool, *args):
+  """One device's sparse decode on 4-D query / 3-D index operands.
+
+  q_axis_added: the caller's query had no Q axis (see _operand_layouts).
+  """
+  static = (plan, has_sink, q_axis_added)
   backend = plan.backend
   if backend == "xla":
-    return _xla_call(plan, has_sink, *args)
+    return _xla_call(*static, *args)
   _ffi.require_extension()
   if backend == "cpu":
-    return _cpu_call(plan, has_sink, *args)
+    return _cpu_call(*static, *args)
   if backend == "cuda":
     if not _has_cuda_sparse():
       raise RuntimeError("backend 'cuda': this mla_jax build has no CUDA sparse decode kernel "
                          "(no CUDA toolkit at build time, or MLA_JAX_CUDA=0)")
-    return _cuda_call(plan, has_sink, *args)
+    return _cuda_call(*static, *args)
   # "auto": the lowering platform picks the branch; nothing else is lowered.
   cuda = _cuda_call if _has_cuda_sparse() else _xla_call
   return jax.lax.platform_dependent(
-      *args, cpu=functools.partial(_cpu_call, plan, has_sink),
-      cuda=functools.partial(cuda, plan, has_sink),
-      default=functools.partial(_xla_call, plan, has_sink))
+      *args, cpu=functools.partial(_cpu_call, *static),
+      cuda=functools.partial(cuda, *static),
+      default=functools.partial(_xla_call, *static))
 
 
 @functools.cache
-def _sparse_fn(plan: SparseDecodePlan, has_sink: bool):
-  """The op for one plan: vmap folds into the batch, autodiff is refused."""
+def _sparse_fn(plan: SparseDecodePlan, has_sink: bool, q_axis_added: bool = False):
+  """The op for one plan: vmap folds into the batch, autodiff is refused.
+
+  q_axis_added: the caller's query had no Q axis (normalize added it).
+  """
 
   @jax.custom_batching.custom_vmap
   def decode(q_nope, q_pe, kv, indices, topk_lens, attn_sink, kv_scale):
-    return _local_sparse(plan, has_sink, q_nope, q_pe, kv, indices, topk_lens, attn_sink, kv_scale)
+    return _local_sparse(plan, has_sink, q_axis_added, q_nope, q_pe, kv, indices, topk_lens,
+                         attn_sink, kv_scale)
 
   @decode.def_vmap
   def _decode_vmap(axis_size, in_batched, *args):
@@ -165,7 +192,7 @@ def sparse_decode(query, kv_cache, indices, *, plan: SparseDecodePlan, topk_lens
     RuntimeError: backend "cuda" requested but not compiled in.
   """
   inputs = normalize_sparse(query, kv_cache, indices, topk_lens, attn_sink, plan)
-  out, lse = _sparse_fn(plan, inputs.has_sink)(*inputs.operands)
+  out, lse = _sparse_fn(plan, inputs.has_sink, not inputs.query_had_q_axis)(*inputs.operands)
   if not inputs.query_had_q_axis:  # reshapes lower to bitcasts: no copy
     out = out.reshape(out.shape[:1] + out.shape[2:])
     lse = lse.reshape(lse.shape[:1] + lse.shape[2:])

@@ -518,11 +518,17 @@ def data_movement_problems(hlo: str, target: str):
   return problems
 
 
+# Query forms: "BHD" [B, H, 576] (the op adds the Q axis); "B1HD" [B, 1, H, 576]
+# (q_len 1 with its Q axis); "BQHD" [B, 2, H, 576]; "tuple" a 4-D (q_nope,
+# q_pe) pair with Q 2; "BHD-tuple" a 3-D pair.
+_Q_LEN = {"BHD": 1, "B1HD": 1, "BHD-tuple": 1, "BQHD": 2, "tuple": 2}
+
+
 def _compiled_hlo(backend, q_form, kv_form, wrap=None):
-  q_len = 1 if q_form == "BHD" else 2
+  q_len = _Q_LEN[q_form]
   inp = good_inputs(seed=4, q_len=q_len)
-  query = inp["query"][:, 0] if q_form == "BHD" else inp["query"]
-  if q_form == "tuple":
+  query = inp["query"][:, 0] if q_form.startswith("BHD") else inp["query"]
+  if q_form.endswith("tuple"):
     query = split(query)
   kv = inp["kv_cache"] if kv_form == "packed" else split(inp["kv_cache"])
   plan = plan_(q_len=q_len, backend=backend)
@@ -534,15 +540,15 @@ def _compiled_hlo(backend, q_form, kv_form, wrap=None):
   return fn.lower(*args).compile().as_text()
 
 
-_BHD_COPY = pytest.mark.xfail(
-    strict=True, reason="library bug: a [B, H, 576] query is reshaped to [B, 1, H, 576] and XLA "
-    "lays the reshape out as {3,2,0,1}, then copies it to the custom call's row-major "
-    "{3,2,1,0} operand layout (a full copy of the query before the kernel)")
-
-
 @pytest.mark.parametrize("backend", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("q_form,kv_form", [
-    pytest.param("BHD", "packed", marks=_BHD_COPY),
+    # A [B, H, 576] query is reshaped to [B, 1, H, 576]; XLA 0.10 lays that
+    # out as {3,2,0,1}, so the kernel must accept that layout or the query is
+    # copied. A 4-D Q=1 query (row-major parameter) must not be copied either.
+    ("BHD", "packed"),
+    ("BHD", "tuple"),
+    ("BHD-tuple", "packed"),
+    ("B1HD", "packed"),
     ("BQHD", "packed"),
     ("tuple", "tuple"),
     ("BQHD", "tuple"),
@@ -550,6 +556,34 @@ _BHD_COPY = pytest.mark.xfail(
 def test_compiled_hlo_moves_no_data(backend, q_form, kv_form):
   hlo = _compiled_hlo(backend, q_form, kv_form)
   assert data_movement_problems(hlo, KERNEL_TARGETS[backend]) == [], hlo
+
+
+SPARSE_TARGETS = {"cpu": "mla_jax_sparse_decode_cpu", "cuda": "mla_jax_sparse_decode_cuda"}
+
+
+@pytest.mark.parametrize("backend", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("q_form", ["BHD", "BHD-tuple", "B1HD", "BQHD"])
+def test_sparse_compiled_hlo_moves_no_data(backend, q_form):
+  """Same for sparse_decode: query and indices reach the kernel as is."""
+  q_len, k = _Q_LEN[q_form], 8
+  inp = good_inputs(seed=5, q_len=q_len)
+  query = inp["query"][:, 0] if q_form.startswith("BHD") else inp["query"]
+  if q_form.endswith("tuple"):
+    query = split(query)
+  rng = np.random.default_rng(5)
+  slots = inp["kv_cache"].shape[0] * S
+  idx = rng.integers(-1, slots, (B, q_len, k)).astype(np.int32)
+  idx = idx[:, 0] if q_form.startswith("BHD") else idx
+  plan = mla_jax.SparseDecodePlan(num_heads=H, page_size=S, sm_scale=0.1, topk=k, q_len=q_len,
+                                  backend=backend)
+  # topk_lens and attn_sink given: their defaults are (small) broadcasts.
+  topk_lens, sink = np.full((B,), k, np.int32), np.zeros((H,), np.float32)
+  dev = jax.devices("cpu")[0] if backend == "cpu" else jax.devices()[0]
+  args = jax.device_put((query, inp["kv_cache"], idx, topk_lens, sink), dev)
+  fn = jax.jit(lambda q, kv, i, tl, sk: mla_jax.sparse_decode(
+      q, kv, i, plan=plan, topk_lens=tl, attn_sink=sk, return_lse=True))
+  hlo = fn.lower(*args).compile().as_text()
+  assert data_movement_problems(hlo, SPARSE_TARGETS[backend]) == [], hlo
 
 
 def test_hlo_check_detects_copies():
