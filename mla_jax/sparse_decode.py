@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _ffi
+from ._kernel_call import kernel_out_types as _out_types, operand_layouts as _operand_layouts, varying_like_inputs as _varying_like_inputs
 from ._scratch import split_kv_scratch
 from ._inputs import SparseInputs, normalize_sparse
 from .plan import SparseDecodePlan
@@ -19,40 +20,20 @@ from .sparse_reference import sparse_decode_xla
 _KV_FORMAT_CODES = {"bf16": 0, "fp8_ds_mla": 1}   # KvFormat in csrc/common/mla_params.h
 
 
-def _out_types(q_nope, dn):
-  b, q, h = q_nope.shape[:3]
-  return (jax.ShapeDtypeStruct((b, q, h, dn), q_nope.dtype),
-          jax.ShapeDtypeStruct((b, q, h), jnp.float32))
-
-
-def _operand_layouts(q_axis_added: bool, num_operands: int):
-  """input_layouts for the kernel call (major to minor; None: row-major).
-
-  A query given without a Q axis ([B, H, D]) reaches the kernel through a
-  reshape to [B, 1, H, D], which XLA (jax 0.10) lays out as {3,2,0,1} (a
-  bitcast of the caller's buffer) and would copy to row-major. With a size-1
-  axis both are the same bytes, so the kernel asks for the bitcast's layout
-  and gets the caller's buffer. A query with its Q axis keeps row-major. The
-  [B, K] -> [B, 1, K] indices and the results bitcast as they are.
-  """
-  if not q_axis_added:
-    return None
-  q = (1, 0, 2, 3)
-  return (q, q) + (None,) * (num_operands - 2)
-
-
 def _attrs(plan: SparseDecodePlan, has_sink: bool):
   return dict(sm_scale=np.float32(plan.sm_scale), kv_format=_KV_FORMAT_CODES[plan.kv_format],
               has_sink=bool(has_sink), kv_lora_rank=int(plan.kv_lora_rank),
               qk_rope_head_dim=int(plan.qk_rope_head_dim))
 
 
+@_varying_like_inputs
 def _cpu_call(plan: SparseDecodePlan, has_sink: bool, q_axis_added: bool, *args):
   call = jax.ffi.ffi_call(_ffi.SPARSE_CPU_TARGET, _out_types(args[0], plan.kv_lora_rank),
                           input_layouts=_operand_layouts(q_axis_added, len(args)))
   return tuple(call(*args, **_attrs(plan, has_sink)))
 
 
+@_varying_like_inputs
 def _cuda_call(plan: SparseDecodePlan, has_sink: bool, q_axis_added: bool, *args):
   # Same operands and attributes as the CPU target, plus the split-KV
   # scratch: every query token is one kernel request of H rows.

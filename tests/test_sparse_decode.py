@@ -486,3 +486,25 @@ def test_ffi_handler_validates():
     call(0, kv, {**ops, "topk_lens": jnp.zeros((2,), jnp.int32)})
   with pytest.raises(Exception, match="attn_sink"):
     call(0, kv, {**ops, "attn_sink": jnp.zeros((3,), jnp.float32)})
+
+
+def test_inside_shard_map_with_auto_backend():
+  """backend "auto" joins the kernel and pure-JAX branches inside shard_map
+  (the kernel results must carry the inputs' varying-axes type)."""
+  from jax.sharding import PartitionSpec as P
+  cpu = jax.devices("cpu")
+  mesh = jax.sharding.Mesh(np.array(cpu[:4]), ("data",))
+  case = Case(seed_of("shard_map"), batch=4, q_len=1, num_heads=8, topk=32, num_pages=6,
+              page_size=16)
+  plan = case.plan("auto")
+  put = lambda x, spec: jax.device_put(x, jax.sharding.NamedSharding(mesh, spec))
+  query, kv, indices = put(case.query, P("data")), put(case.kv_cache, P()), put(case.indices, P("data"))
+
+  @jax.jit
+  @jax.shard_map(mesh=mesh, in_specs=(P("data"), P(), P("data")), out_specs=(P("data"), P("data")))
+  def decode(q, kv, idx):
+    return mla_jax.sparse_decode(q, kv, idx, plan=plan, return_lse=True)
+
+  with jax.default_device(cpu[0]):
+    out, lse = decode(query, kv, indices)
+  assert_matches(out, lse, *case.reference(), case.dtype)
