@@ -32,6 +32,22 @@ bool elem_type_of(ffi::DataType dt, ElemType* out) {
 
 int64_t elem_bytes_of(ElemType t) { return t == ElemType::kFP8E4M3 ? 1 : 2; }
 
+// Query row pointers and strides (elements; the query is bf16/fp16). A
+// packed query's q_pe starts kv_lora_rank elements into each 576-wide row.
+void set_query_rows(ffi::AnyBuffer q_nope, ffi::AnyBuffer q_pe, bool packed, int64_t dn, int64_t dr,
+                    PagedDecodeParams* p) {
+  constexpr int64_t kQueryBytes = 2;
+  p->q_nope = q_nope.untyped_data();
+  p->q_nope_row_stride = packed ? dn + dr : dn;
+  if (packed) {
+    p->q_pe = static_cast<const char*>(q_nope.untyped_data()) + dn * kQueryBytes;
+    p->q_pe_row_stride = dn + dr;
+  } else {
+    p->q_pe = q_pe.untyped_data();
+    p->q_pe_row_stride = dr;
+  }
+}
+
 }  // namespace
 
 ffi::Error fill_decode_params(ffi::AnyBuffer q_nope, ffi::AnyBuffer q_pe, ffi::AnyBuffer ckv,
@@ -78,17 +94,8 @@ ffi::Error fill_decode_params(ffi::AnyBuffer q_nope, ffi::AnyBuffer q_pe, ffi::A
   p->sm_scale = sm_scale;
   p->causal = causal;
 
-  const int64_t q_bytes = 2;
   const int64_t kv_bytes = p->kv_type == ElemType::kFP8E4M3 ? 1 : 2;
-  p->q_nope = q_nope.untyped_data();
-  p->q_nope_row_stride = qd[3];
-  if (q_packed) {
-    p->q_pe = static_cast<const char*>(q_nope.untyped_data()) + dn * q_bytes;
-    p->q_pe_row_stride = dqk;
-  } else {
-    p->q_pe = q_pe.untyped_data();
-    p->q_pe_row_stride = dr;
-  }
+  set_query_rows(q_nope, q_pe, q_packed, dn, dr, p);
   p->ckv = ckv.untyped_data();
   p->ckv_token_stride = cd[2];
   p->ckv_page_stride = cd[1] * cd[2];
@@ -185,16 +192,7 @@ ffi::Error fill_sparse_params(ffi::AnyBuffer q_nope, ffi::AnyBuffer q_pe, ffi::A
   p->sm_scale = sm_scale;
   p->causal = false;
 
-  const int64_t q_bytes = 2;
-  p->q_nope = q_nope.untyped_data();
-  p->q_nope_row_stride = qd[3];
-  if (q_packed) {
-    p->q_pe = static_cast<const char*>(q_nope.untyped_data()) + dn * q_bytes;
-    p->q_pe_row_stride = dqk;
-  } else {
-    p->q_pe = q_pe.untyped_data();
-    p->q_pe_row_stride = dr;
-  }
+  set_query_rows(q_nope, q_pe, q_packed, dn, dr, p);
   p->ckv = kv.untyped_data();
   p->ckv_token_stride = kd[2];
   p->ckv_page_stride = kd[1] * kd[2];

@@ -53,3 +53,21 @@ def varying_like_inputs(call):
                  for o in outs)
 
   return wrapped
+
+
+def inference_only(fn, op_name: str):
+  """fn wrapped in a custom_jvp that refuses differentiation with a clear
+  TypeError (decode never backpropagates); vmap and jit pass through."""
+
+  @jax.custom_jvp
+  def nodiff(*args):
+    return fn(*args)
+
+  @nodiff.defjvp
+  def _no_jvp(primals, tangents):
+    raise TypeError(
+        f"mla_jax.{op_name} is inference-only: it has no derivative (decode never "
+        "backpropagates). Wrap its inputs in jax.lax.stop_gradient if it sits inside a "
+        "differentiated function.")
+
+  return nodiff

@@ -12,7 +12,7 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
 from . import _ffi
-from ._kernel_call import kernel_out_types as _out_types, operand_layouts as _operand_layouts, varying_like_inputs as _varying_like_inputs
+from ._kernel_call import inference_only, kernel_out_types as _out_types, operand_layouts as _operand_layouts, varying_like_inputs as _varying_like_inputs
 from ._scratch import split_kv_scratch
 from ._inputs import DecodeInputs, normalize
 from .plan import DecodePlan
@@ -205,18 +205,7 @@ def _decode_fn(plan: DecodePlan, q_axis_added: bool = False):
     out, lse = decode(*args)
     return (unfold(out), unfold(lse)), (True, True)
 
-  @jax.custom_jvp
-  def decode_nodiff(*args):
-    return decode(*args)
-
-  @decode_nodiff.defjvp
-  def _no_jvp(primals, tangents):
-    raise TypeError(
-        "mla_jax.paged_decode is inference-only: it has no derivative (decode never "
-        "backpropagates). Wrap its inputs in jax.lax.stop_gradient if it sits inside a "
-        "differentiated function.")
-
-  return decode_nodiff
+  return inference_only(decode, "paged_decode")
 
 
 @functools.partial(jax.jit, static_argnames=("plan", "return_lse"))

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _ffi
-from ._kernel_call import kernel_out_types as _out_types, operand_layouts as _operand_layouts, varying_like_inputs as _varying_like_inputs
+from ._kernel_call import inference_only, kernel_out_types as _out_types, operand_layouts as _operand_layouts, varying_like_inputs as _varying_like_inputs
 from ._scratch import split_kv_scratch
 from ._inputs import SparseInputs, normalize_sparse
 from .plan import SparseDecodePlan
@@ -108,18 +108,7 @@ def _sparse_fn(plan: SparseDecodePlan, has_sink: bool, q_axis_added: bool = Fals
     return ((out.reshape((axis_size, -1) + out.shape[1:]),
              lse.reshape((axis_size, -1) + lse.shape[1:])), (True, True))
 
-  @jax.custom_jvp
-  def decode_nodiff(*args):
-    return decode(*args)
-
-  @decode_nodiff.defjvp
-  def _no_jvp(primals, tangents):
-    raise TypeError(
-        "mla_jax.sparse_decode is inference-only: it has no derivative (decode never "
-        "backpropagates). Wrap its inputs in jax.lax.stop_gradient if it sits inside a "
-        "differentiated function.")
-
-  return decode_nodiff
+  return inference_only(decode, "sparse_decode")
 
 
 @functools.partial(jax.jit, static_argnames=("plan", "return_lse"))

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "../common/elem_convert.h"
+#include "cpu_common.h"
 
 namespace mla_jax {
 namespace {
@@ -18,15 +19,6 @@ bool request_pages_valid(const PagedDecodeParams& p, int b, int64_t seq_len) {
     if (table[j] < 0 || table[j] >= p.num_pages) return false;
   }
   return true;
-}
-
-void store_out(const PagedDecodeParams& p, int64_t row, int64_t d, float v) {
-  const int64_t idx = row * p.kv_lora_rank + d;
-  if (p.q_type == ElemType::kBF16) {
-    static_cast<uint16_t*>(p.out)[idx] = float_to_bf16(v);
-  } else {
-    static_cast<uint16_t*>(p.out)[idx] = float_to_f16(v);
-  }
 }
 
 // One (request, head) pair: all q_len query rows of that head share each
@@ -43,26 +35,19 @@ void decode_request_head(const PagedDecodeParams& p, int b, int h, float kv_scal
   };
   if (!valid) {
     for (int i = 0; i < q_len; ++i) {
-      for (int d = 0; d < dn; ++d) store_out(p, row_of(i), d, NAN);
+      for (int d = 0; d < dn; ++d) cpu::store_out(p, row_of(i), d, NAN);
       p.lse[row_of(i)] = NAN;
     }
     return;
   }
 
-  // Query rows in float, pre-multiplied by the softmax scale (in log2 units).
+  // Query rows in float.
   const float score_scale = p.sm_scale * kv_scale;
   std::vector<float> q(static_cast<size_t>(q_len) * (dn + dr));
-  for (int i = 0; i < q_len; ++i) {
-    const int64_t r = row_of(i);
-    const int64_t qb = elem_bytes(p.q_type);
-    const char* qn = static_cast<const char*>(p.q_nope) + r * p.q_nope_row_stride * qb;
-    const char* qp = static_cast<const char*>(p.q_pe) + r * p.q_pe_row_stride * qb;
-    for (int d = 0; d < dn; ++d) q[i * (dn + dr) + d] = load_elem(qn, d, p.q_type);
-    for (int d = 0; d < dr; ++d) q[i * (dn + dr) + dn + d] = load_elem(qp, d, p.q_type);
-  }
+  for (int i = 0; i < q_len; ++i) cpu::load_query_row(p, row_of(i), &q[i * (dn + dr)]);
 
   std::vector<float> acc(static_cast<size_t>(q_len) * dn, 0.0f);
-  std::vector<float> row_max(q_len, -INFINITY), row_sum(q_len, 0.0f);
+  std::vector<cpu::SoftmaxRow> rows(q_len);
   std::vector<int64_t> limit(q_len);
   int64_t longest = 0;
   for (int i = 0; i < q_len; ++i) {
@@ -84,33 +69,13 @@ void decode_request_head(const PagedDecodeParams& p, int b, int h, float kv_scal
     for (int d = 0; d < dr; ++d) kv[dn + d] = load_elem(kpe, d, p.kv_type);
     for (int i = 0; i < q_len; ++i) {
       if (pos >= limit[i]) continue;
-      const float* qi = &q[i * (dn + dr)];
-      float dot = 0.0f;
-      for (int d = 0; d < dn + dr; ++d) dot += qi[d] * kv[d];
-      const float s = dot * score_scale;
-      float* a = &acc[static_cast<size_t>(i) * dn];
-      if (s > row_max[i]) {
-        const float correction = std::exp(row_max[i] - s);  // exp(-inf) = 0 first time
-        row_sum[i] *= correction;
-        for (int d = 0; d < dn; ++d) a[d] *= correction;
-        row_max[i] = s;
-      }
-      const float w = std::exp(s - row_max[i]);
-      row_sum[i] += w;
-      for (int d = 0; d < dn; ++d) a[d] += w * kv[d];
+      const float s = cpu::dot(&q[i * (dn + dr)], kv.data(), dn + dr) * score_scale;
+      rows[i].add(s, kv.data(), &acc[static_cast<size_t>(i) * dn], dn);
     }
   }
 
   for (int i = 0; i < q_len; ++i) {
-    const int64_t r = row_of(i);
-    if (row_sum[i] == 0.0f) {  // nothing visible: out 0, lse -inf
-      for (int d = 0; d < dn; ++d) store_out(p, r, d, 0.0f);
-      p.lse[r] = -INFINITY;
-      continue;
-    }
-    const float inv = kv_scale / row_sum[i];
-    for (int d = 0; d < dn; ++d) store_out(p, r, d, acc[static_cast<size_t>(i) * dn + d] * inv);
-    p.lse[r] = row_max[i] + std::log(row_sum[i]);
+    rows[i].finish(p, row_of(i), &acc[static_cast<size_t>(i) * dn], kv_scale);
   }
 }
 
