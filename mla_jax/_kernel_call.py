@@ -55,6 +55,35 @@ def varying_like_inputs(call):
   return wrapped
 
 
+def fold_into_batch(decode, per_request: tuple):
+  """A custom_vmap rule for decode(*operands) -> (out, lse): the mapped axis
+  folds into B when only the per-request operands (leading B axis) are
+  batched; a batched shared operand (cache, scale, sink) loops instead."""
+
+  def rule(axis_size, in_batched, *args):
+    if any(bat for i, bat in enumerate(in_batched) if i not in per_request):
+      # A batched shared operand cannot fold into B: loop instead.
+      args = [a if bat else jnp.broadcast_to(a, (axis_size,) + a.shape)
+              for a, bat in zip(args, in_batched)]
+      out = jax.lax.map(lambda xs: decode(*xs), tuple(args))
+      return out, (True, True)
+    # Fold B-major, [V, B, ...] -> [B * V, ...]: a sharded B then keeps whole
+    # blocks per device (a V-major fold would need an all-gather, and is
+    # untypeable under explicit sharding). The transposes copy only the small
+    # per-request operands and the output.
+    args = list(args)
+    for i in per_request:
+      a = args[i]
+      a = (jnp.swapaxes(a, 0, 1) if in_batched[i] else
+           jnp.broadcast_to(a[:, None], (a.shape[0], axis_size) + a.shape[1:]))
+      args[i] = a.reshape((a.shape[0] * axis_size,) + a.shape[2:])
+    unfold = lambda x: jnp.swapaxes(x.reshape((-1, axis_size) + x.shape[1:]), 0, 1)
+    out, lse = decode(*args)
+    return (unfold(out), unfold(lse)), (True, True)
+
+  return rule
+
+
 def inference_only(fn, op_name: str):
   """fn wrapped in a custom_jvp that refuses differentiation with a clear
   TypeError (decode never backpropagates); vmap and jit pass through."""

@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
-from . import _ffi
-from ._kernel_call import inference_only, kernel_out_types as _out_types, operand_layouts as _operand_layouts, varying_like_inputs as _varying_like_inputs
+from . import _ffi, _sharding
+from ._kernel_call import fold_into_batch, inference_only, kernel_out_types as _out_types, operand_layouts as _operand_layouts, varying_like_inputs as _varying_like_inputs
 from ._scratch import split_kv_scratch
 from ._inputs import DecodeInputs, normalize
 from .plan import DecodePlan
@@ -78,19 +75,12 @@ def _local_decode(plan: DecodePlan, *args, q_axis_added: bool = False):
       default=functools.partial(_xla_call, plan))
 
 
-# --- sharding: custom_partitioning with a Shardy rule -----------------------
+# --- sharding (mla_jax/_sharding.py) ------------------------------------------
 # Batch (B) and heads (H) of the query may be sharded; every request's rows
 # are independent, so each device runs the kernel on its own slice with no
 # communication. The cache, page axis of the block table and feature dims
-# stay whole (they are replicated when sharded). On a single device
-# custom_partitioning lowers to the plain kernel call, which keeps the op
-# exportable with jax.export.
+# stay whole (they are replicated when sharded).
 _SHARDY_RULE = "b q h d, b q h r, p s c, p s k, b t, b, z -> b q h e, b q h"
-
-
-def _query_axes(sharding):
-  spec = tuple(sharding.spec) + (None,) * 4
-  return spec[0], spec[2]
 
 
 def _shardings(mesh, batch_axis, head_axis):
@@ -101,71 +91,19 @@ def _shardings(mesh, batch_axis, head_axis):
   return args, outs
 
 
-def _infer(plan, q_axis_added, mesh, arg_shapes, result_shape):
-  del plan, q_axis_added, result_shape
-  return _shardings(mesh, *_query_axes(arg_shapes[0].sharding))[1]
+def _bind(plan: DecodePlan, q_axis_added: bool):
+  return functools.partial(_local_decode, plan, q_axis_added=q_axis_added)
 
 
-def _partition(plan, q_axis_added, mesh, arg_shapes, result_shape):
-  del result_shape
-  args, outs = _shardings(mesh, *_query_axes(arg_shapes[0].sharding))
-  return mesh, functools.partial(_local_decode, plan, q_axis_added=q_axis_added), outs, args
-
-
-@functools.partial(custom_partitioning, static_argnums=(7, 8))
-def _partitioned_decode(q_nope, q_pe, ckv, kpe, block_table, seq_lens, kv_scale, plan,
-                        q_axis_added):
-  return _local_decode(plan, q_nope, q_pe, ckv, kpe, block_table, seq_lens, kv_scale,
-                       q_axis_added=q_axis_added)
-
-
-_partitioned_decode.def_partition(
-    infer_sharding_from_operands=_infer, partition=_partition, sharding_rule=_SHARDY_RULE)
-
-
-def _trace_mesh(x):
-  """The abstract mesh in context, else the one in x's type (explicit mode)."""
-  mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty:
-    mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", mesh)
-  return mesh
+# _partitioned_decode(plan, q_axis_added, q_nope, q_pe, ckv, kpe, block_table, seq_lens, kv_scale)
+_partitioned_decode = _sharding.partitioned_op(_bind, _shardings, _SHARDY_RULE, num_static=2)
 
 
 def _sharded_decode(plan: DecodePlan, *args, q_axis_added: bool = False):
-  """Calls the op in every JAX sharding mode.
-
-  * Auto axes (jax.jit with NamedSharding inputs): Shardy propagates the
-    rule and custom_partitioning runs one kernel per device.
-  * Explicit axes: the shardings are in the types, so the kernel runs in a
-    shard_map over the explicit axes with the rule's specs (an operand typed
-    otherwise, e.g. a sharded cache, is resharded first). The result's type
-    keeps the query's B/H sharding.
-  * Inside shard_map the kernel is called directly on the local shapes (what
-    custom_partitioning lowers to when every axis is manual). With only some
-    axes manual, custom_partitioning would get no mesh (jax passes
-    GSPMDShardings and, under a legacy `with mesh:`, XLA aborts), so there
-    too the kernel is called directly and XLA runs it replicated over the
-    remaining automatic axes (gathering the query over them). This is also
-    the case for a mesh that mixes Explicit and Auto axes.
-  """
-  mesh = _trace_mesh(args[0])
-  types = dict(zip(mesh.axis_names, mesh.axis_types))
-  explicit = {n for n, t in types.items() if t == jax.sharding.AxisType.Explicit}
-  manual = {n for n, t in types.items() if t == jax.sharding.AxisType.Manual}
-  if explicit:
-    b, h = _query_axes(jax.typeof(args[0]).sharding)
-    arg_specs, out_specs = (tuple(s.spec for s in ss) for ss in _shardings(mesh, b, h))
-    # the explicit axes are manual there
-    local = functools.partial(_sharded_decode, plan, q_axis_added=q_axis_added)
-    with contextlib.ExitStack() as stack:
-      if jax.sharding.get_abstract_mesh().empty:  # explicit types but no jax.set_mesh
-        stack.enter_context(jax.sharding.use_abstract_mesh(mesh))
-      args = [jax.sharding.reshard(a, s) for a, s in zip(args, arg_specs)]
-      return jax.shard_map(local, mesh=mesh, in_specs=arg_specs, out_specs=out_specs,
-                           axis_names=explicit)(*args)
-  if manual:
-    return _local_decode(plan, *args, q_axis_added=q_axis_added)
-  return _partitioned_decode(*args, plan, q_axis_added)
+  """The op in every JAX sharding mode (see _sharding.dispatch)."""
+  return _sharding.dispatch(args, local=_bind(plan, q_axis_added),
+                            partitioned=functools.partial(_partitioned_decode, plan, q_axis_added),
+                            shardings=_shardings)
 
 
 # --- vmap and autodiff --------------------------------------------------------
@@ -182,29 +120,8 @@ def _decode_fn(plan: DecodePlan, q_axis_added: bool = False):
     return _sharded_decode(plan, q_nope, q_pe, ckv, kpe, block_table, seq_lens, kv_scale,
                            q_axis_added=q_axis_added)
 
-  @decode.def_vmap
-  def _decode_vmap(axis_size, in_batched, *args):
-    per_request = (0, 1, 4, 5)  # q_nope, q_pe, block_table, seq_lens
-    if any(in_batched[i] for i in (2, 3, 6)):
-      # A batched cache or scale cannot fold into B: loop instead.
-      args = [a if bat else jnp.broadcast_to(a, (axis_size,) + a.shape)
-              for a, bat in zip(args, in_batched)]
-      out = jax.lax.map(lambda xs: decode(*xs), tuple(args))
-      return out, (True, True)
-    # Fold B-major, [V, B, ...] -> [B * V, ...]: a sharded B then keeps whole
-    # blocks per device (a V-major fold would need an all-gather, and is
-    # untypeable under explicit sharding). The transposes copy only the small
-    # query, table and output.
-    args = list(args)
-    for i in per_request:
-      a = args[i]
-      a = (jnp.swapaxes(a, 0, 1) if in_batched[i] else
-           jnp.broadcast_to(a[:, None], (a.shape[0], axis_size) + a.shape[1:]))
-      args[i] = a.reshape((a.shape[0] * axis_size,) + a.shape[2:])
-    unfold = lambda x: jnp.swapaxes(x.reshape((-1, axis_size) + x.shape[1:]), 0, 1)
-    out, lse = decode(*args)
-    return (unfold(out), unfold(lse)), (True, True)
-
+  # q_nope, q_pe, block_table, seq_lens have a leading B axis
+  decode.def_vmap(fold_into_batch(decode, per_request=(0, 1, 4, 5)))
   return inference_only(decode, "paged_decode")
 
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import functools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
-from . import _ffi
-from ._kernel_call import inference_only, kernel_out_types as _out_types, operand_layouts as _operand_layouts, varying_like_inputs as _varying_like_inputs
+from . import _ffi, _sharding
+from ._kernel_call import fold_into_batch, inference_only, kernel_out_types as _out_types, operand_layouts as _operand_layouts, varying_like_inputs as _varying_like_inputs
 from ._scratch import split_kv_scratch
 from ._inputs import SparseInputs, normalize_sparse
 from .plan import SparseDecodePlan
@@ -79,6 +79,40 @@ def _local_sparse(plan: SparseDecodePlan, has_sink: bool, q_axis_added: bool, *a
       default=functools.partial(_xla_call, *static))
 
 
+# --- sharding (mla_jax/_sharding.py) ------------------------------------------
+# Batch (B: query, indices, topk_lens) and heads (H: query, attn_sink) may be
+# sharded; every query token's rows are independent, so each device runs the
+# kernel on its own slice with no communication. The cache, the top-k axis of
+# the indices and feature dims stay whole (they are replicated when sharded).
+_SHARDY_RULE = "b q h d, b q h r, p s c, b q k, b, h, z -> b q h e, b q h"
+
+
+def _shardings(mesh, batch_axis, head_axis):
+  ns = lambda *spec: NamedSharding(mesh, PartitionSpec(*spec))
+  query = ns(batch_axis, None, head_axis, None)
+  args = (query, query, ns(), ns(batch_axis, None, None), ns(batch_axis), ns(head_axis), ns())
+  outs = (query, ns(batch_axis, None, head_axis))
+  return args, outs
+
+
+def _bind(plan: SparseDecodePlan, has_sink: bool, q_axis_added: bool):
+  return functools.partial(_local_sparse, plan, has_sink, q_axis_added)
+
+
+# _partitioned_sparse(plan, has_sink, q_axis_added, q_nope, q_pe, kv, indices, topk_lens,
+#                     attn_sink, kv_scale)
+_partitioned_sparse = _sharding.partitioned_op(_bind, _shardings, _SHARDY_RULE, num_static=3)
+
+
+def _sharded_sparse(plan: SparseDecodePlan, has_sink: bool, q_axis_added: bool, *args):
+  """The op in every JAX sharding mode (see _sharding.dispatch)."""
+  static = (plan, has_sink, q_axis_added)
+  return _sharding.dispatch(args, local=_bind(*static),
+                            partitioned=functools.partial(_partitioned_sparse, *static),
+                            shardings=_shardings)
+
+
+# --- vmap and autodiff --------------------------------------------------------
 @functools.cache
 def _sparse_fn(plan: SparseDecodePlan, has_sink: bool, q_axis_added: bool = False):
   """The op for one plan: vmap folds into the batch, autodiff is refused.
@@ -88,26 +122,11 @@ def _sparse_fn(plan: SparseDecodePlan, has_sink: bool, q_axis_added: bool = Fals
 
   @jax.custom_batching.custom_vmap
   def decode(q_nope, q_pe, kv, indices, topk_lens, attn_sink, kv_scale):
-    return _local_sparse(plan, has_sink, q_axis_added, q_nope, q_pe, kv, indices, topk_lens,
-                         attn_sink, kv_scale)
+    return _sharded_sparse(plan, has_sink, q_axis_added, q_nope, q_pe, kv, indices, topk_lens,
+                           attn_sink, kv_scale)
 
-  @decode.def_vmap
-  def _decode_vmap(axis_size, in_batched, *args):
-    per_request = (0, 1, 3, 4)  # q_nope, q_pe, indices, topk_lens
-    if any(in_batched[i] for i in (2, 5, 6)):
-      # A batched cache or sink cannot fold into B: loop instead.
-      args = [a if bat else jnp.broadcast_to(a, (axis_size,) + a.shape)
-              for a, bat in zip(args, in_batched)]
-      out = jax.lax.map(lambda xs: decode(*xs), tuple(args))
-      return out, (True, True)
-    args = list(args)
-    for i in per_request:
-      a = args[i] if in_batched[i] else jnp.broadcast_to(args[i], (axis_size,) + args[i].shape)
-      args[i] = a.reshape((axis_size * a.shape[1],) + a.shape[2:])
-    out, lse = decode(*args)
-    return ((out.reshape((axis_size, -1) + out.shape[1:]),
-             lse.reshape((axis_size, -1) + lse.shape[1:])), (True, True))
-
+  # q_nope, q_pe, indices, topk_lens have a leading B axis
+  decode.def_vmap(fold_into_batch(decode, per_request=(0, 1, 3, 4)))
   return inference_only(decode, "sparse_decode")
 
 

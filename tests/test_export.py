@@ -99,6 +99,41 @@ def test_export_symbolic_roundtrip(backend, platforms):
     np.testing.assert_allclose(np.asarray(lse), ref_lse, atol=1e-3, rtol=0)
 
 
+@pytest.mark.parametrize("backend,platforms", [("cpu", ("cpu",)), ("auto", ("cpu", "cuda"))])
+def test_export_sparse_symbolic_batch_roundtrip(backend, platforms):
+  """sparse_decode exports on one device with a symbolic B (its sharding rule
+  lowers to the plain kernel call there)."""
+  topk, pages = 16, 5
+  plan = mla_jax.SparseDecodePlan(num_heads=H, page_size=PAGE, sm_scale=0.125, topk=topk,
+                                  backend=backend)
+  f = jax.jit(lambda q, kv, i, tl, s: mla_jax.sparse_decode(q, kv, i, plan=plan, topk_lens=tl,
+                                                            attn_sink=s, return_lse=True))
+  (b,) = export.symbolic_shape("b")
+  args = (jax.ShapeDtypeStruct((b, H, 576), jnp.bfloat16),
+          jax.ShapeDtypeStruct((pages, PAGE, 576), jnp.bfloat16),
+          jax.ShapeDtypeStruct((b, topk), jnp.int32), jax.ShapeDtypeStruct((b,), jnp.int32),
+          jax.ShapeDtypeStruct((H,), jnp.float32))
+  exp = export.deserialize(
+      export.export(f, disabled_checks=ALLOW, platforms=platforms)(*args).serialize())
+  assert [str(a.shape) for a in exp.in_avals][0] == "(b, 4, 576)"
+  assert _ffi.SPARSE_CPU_TARGET in _targets(exp) and _targets(exp) <= set(_ffi.EXPORT_TARGETS)
+  rng = np.random.default_rng(3)
+  kv = np.asarray(jnp.asarray(rng.standard_normal((pages, PAGE, 576)), jnp.bfloat16))
+  sink = np.linspace(-1, 1, H).astype(np.float32)
+  for batch in (1, 3):
+    q = np.asarray(jnp.asarray(rng.standard_normal((batch, H, 576)), jnp.bfloat16))
+    idx = rng.integers(-1, pages * PAGE, (batch, topk)).astype(np.int32)
+    lens = rng.integers(0, topk + 1, (batch,)).astype(np.int32)
+    with jax.default_device(CPU[0]):
+      out, lse = exp.call(q, kv, idx, lens, sink)
+    ref_out, ref_lse = mla_jax.testing.reference_sparse_decode(
+        np.asarray(q, np.float64)[:, None], np.asarray(kv, np.float64), idx[:, None], plan,
+        topk_lens=lens, attn_sink=sink)
+    assert out.shape == (batch, H, 512) and lse.shape == (batch, H)
+    np.testing.assert_allclose(np.asarray(out, np.float32), ref_out[:, 0], atol=2e-2, rtol=0)
+    np.testing.assert_allclose(np.asarray(lse), ref_lse[:, 0], atol=1e-3, rtol=0)
+
+
 @pytest.mark.parametrize("backend", ["cpu", "auto"])
 def test_export_without_allowing_the_targets_fails(backend):
   with pytest.raises(ValueError, match=r"custom calls whose targets have no compatibility "

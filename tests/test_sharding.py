@@ -1,10 +1,10 @@
 """Sharding: jit with NamedSharding (auto and explicit axes) and shard_map.
 
 Runs on the CPU backend with 8 fake devices (tests/conftest.py), for the
-"cpu" kernel and the pure-JAX "xla" backend. Every sharded result must equal
-the unsharded one, and the compiled HLO must move no query, output or cache
-data between devices: the op's Shardy rule lets each device decode its own
-batch rows and heads.
+"cpu" kernel and the pure-JAX "xla" backend, for paged_decode and (fewer
+cases) sparse_decode. Every sharded result must equal the unsharded one, and
+the compiled HLO must move no query, output or cache data between devices:
+each op's Shardy rule lets each device decode its own batch rows and heads.
 """
 
 import importlib
@@ -334,3 +334,167 @@ def test_shard_map_data_only_heads_auto(backend):
   out = f(*map(put, (d["query"], d["kv_cache"], d["block_table"], d["seq_lens"])))
   np.testing.assert_allclose(np.asarray(out, np.float32),
                              _per_shard_reference(parts, _plan(backend))[0], atol=2e-2, rtol=0)
+
+
+# --- sparse_decode: B (query, indices, topk_lens) and H (query, attn_sink) ------
+_sd = importlib.import_module("mla_jax.sparse_decode")
+
+SPARSE_BACKENDS = ["cpu", "xla"]
+TOPK = 24
+SPARSE_PAGES = 6
+
+
+def _sparse_plan(backend, num_heads=H, q_len=1, kv_format="bf16"):
+  return mla_jax.SparseDecodePlan(num_heads=num_heads, page_size=PAGE, sm_scale=192 ** -0.5,
+                                  topk=TOPK, q_len=q_len, kv_format=kv_format, backend=backend)
+
+
+def _sparse(plan):
+  return jax.jit(lambda q, kv, i, tl, s: mla_jax.sparse_decode(
+      q, kv, i, plan=plan, topk_lens=tl, attn_sink=s, return_lse=True))
+
+
+@pytest.fixture(scope="module")
+def sparse_data():
+  rng = np.random.default_rng(3)
+  slots = SPARSE_PAGES * PAGE
+  b = len(LENS)
+  idx = np.stack([rng.choice(slots, TOPK, replace=False) for _ in range(b)]).astype(np.int32)
+  idx[1, 3:7] = -1                                   # padding in the middle
+  idx[2, -2:] = slots                                # and past the cache
+  return dict(query=jnp.asarray(rng.standard_normal((b, H, 576)), jnp.bfloat16),
+              kv_cache=jnp.asarray(rng.standard_normal((SPARSE_PAGES, PAGE, 576)), jnp.bfloat16),
+              indices=idx,
+              topk_lens=np.array([TOPK, 20, TOPK, 0, 1, 9, TOPK, 17], np.int32),  # 0: empty
+              attn_sink=np.linspace(-2, 2, H).astype(np.float32))
+
+
+_SPARSE_KEYS = ("query", "kv_cache", "indices", "topk_lens", "attn_sink")
+
+
+@pytest.fixture(scope="module")
+def sparse_unsharded(sparse_data):
+  on0 = [jax.device_put(sparse_data[k], CPU[0]) for k in _SPARSE_KEYS]
+  res = {b: tuple(np.asarray(x, np.float32) for x in _sparse(_sparse_plan(b))(*on0))
+         for b in SPARSE_BACKENDS}
+  ref = mla_jax.testing.reference_sparse_decode(
+      np.asarray(sparse_data["query"], np.float64)[:, None],
+      np.asarray(sparse_data["kv_cache"], np.float64), sparse_data["indices"][:, None],
+      _sparse_plan("cpu"), topk_lens=sparse_data["topk_lens"], attn_sink=sparse_data["attn_sink"])
+  res["ref"] = (ref[0][:, 0], ref[1][:, 0])
+  return res
+
+
+def _sparse_place(d, mesh, qspec, cache_spec=P()):
+  b, h = (tuple(qspec) + (None, None))[:2]
+  specs = (qspec, cache_spec, P(b), P(b), P(h))
+  return [jax.device_put(d[k], NamedSharding(mesh, s)) for k, s in zip(_SPARSE_KEYS, specs)]
+
+
+@pytest.mark.parametrize("backend", SPARSE_BACKENDS)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_sparse_auto_axes(sparse_data, sparse_unsharded, backend, layout):
+  mesh = _mesh(AxisType.Auto)
+  qspec = LAYOUTS[layout]
+  args = _sparse_place(sparse_data, mesh, qspec)
+  f = _sparse(_sparse_plan(backend))
+  out, lse = f(*args)
+  _check((out, lse), sparse_unsharded[backend], sparse_unsharded["ref"])
+  b, h = (tuple(qspec) + (None, None))[:2]
+  _expect_sharded(out, mesh, P(b, h, None))
+  _expect_sharded(lse, mesh, P(b, h))
+  assert _collectives(f.lower(*args).compile().as_text()) == []
+
+
+def test_sparse_auto_axes_q_len2_fp8_split_query():
+  """Q = 2, a (q_nope, q_pe) pair, an fp8_ds_mla cache, no topk_lens/sink,
+  on a jax.sharding.Mesh (axis types Auto)."""
+  mesh = jax.sharding.Mesh(np.array(CPU[:8]).reshape(4, 2), ("data", "model"))
+  plan = _sparse_plan("cpu", q_len=2, kv_format="fp8_ds_mla")
+  rng = np.random.default_rng(4)
+  q = jnp.asarray(rng.standard_normal((8, 2, H, 576)), jnp.bfloat16)
+  q = (q[..., :512], q[..., 512:])
+  kv = mla_jax.quantize_latent_fp8(jnp.asarray(rng.standard_normal((SPARSE_PAGES, PAGE, 576)),
+                                               jnp.float32))
+  idx = rng.integers(-1, SPARSE_PAGES * PAGE, (8, 2, TOPK)).astype(np.int32)
+  put = lambda x, s: jax.device_put(x, NamedSharding(mesh, s))
+  args = ([put(x, P("data", None, "model")) for x in q], put(kv, P()), put(idx, P("data")))
+  f = jax.jit(lambda q, kv, i: mla_jax.sparse_decode(q, kv, i, plan=plan))
+  out = f(*args)
+  want = mla_jax.sparse_decode(*jax.device_put((q, kv, idx), CPU[0]), plan=plan)
+  np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(want, np.float32))
+  _expect_sharded(out, mesh, P("data", None, "model", None))
+  assert _collectives(f.lower(*args).compile().as_text()) == []
+
+
+def test_sparse_hlo_check_sees_collectives_without_the_rule(sparse_data):
+  """The bare sparse kernel call on the same sharded inputs needs gathers."""
+  mesh = _mesh(AxisType.Auto)
+  plan = _sparse_plan("cpu")
+
+  def bare(q, kv, i, tl, s):
+    i = mla_jax._inputs.normalize_sparse(q, kv, i, tl, s, plan)
+    return _sd._local_sparse(plan, i.has_sink, True, *i.operands)
+
+  args = _sparse_place(sparse_data, mesh, LAYOUTS["both"])
+  assert _collectives(jax.jit(bare).lower(*args).compile().as_text()) != []
+
+
+@pytest.mark.parametrize("backend", SPARSE_BACKENDS)
+@pytest.mark.parametrize("layout", ["heads", "both"])
+def test_sparse_explicit_axes(sparse_data, sparse_unsharded, backend, layout):
+  mesh = _mesh(AxisType.Explicit)
+  qspec = LAYOUTS[layout]
+  f = _sparse(_sparse_plan(backend))
+  with jax.set_mesh(mesh):
+    args = _sparse_place(sparse_data, mesh, qspec)
+    out, lse = f(*args)
+    hlo = f.lower(*args).compile().as_text()
+  _check((out, lse), sparse_unsharded[backend], sparse_unsharded["ref"])
+  b, h = (tuple(qspec) + (None, None))[:2]
+  assert jax.typeof(out).sharding.spec == P(b, h, None)
+  assert jax.typeof(lse).sharding.spec == P(b, h)
+  _expect_sharded(out, mesh, P(b, h, None))
+  assert _collectives(hlo) == []
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
+def test_sparse_vmap_of_sharded_batch(sparse_data, axis_type):
+  """vmap folds its axis into a sharded B without moving data."""
+  mesh = _mesh(axis_type)
+  plan = _sparse_plan("cpu")
+  q = jnp.stack([sparse_data["query"], -sparse_data["query"]])               # [2, B, H, 576]
+  idx = np.stack([sparse_data["indices"], sparse_data["indices"][::-1]])      # [2, B, K]
+  f = jax.jit(jax.vmap(lambda q, kv, i, s: mla_jax.sparse_decode(q, kv, i, plan=plan,
+                                                                  attn_sink=s),
+                       in_axes=(0, None, 0, None)))
+  kv, sink = sparse_data["kv_cache"], sparse_data["attn_sink"]
+  want = [mla_jax.sparse_decode(*jax.device_put((q[i], kv, idx[i]), CPU[0]), plan=plan,
+                                attn_sink=jax.device_put(sink, CPU[0])) for i in range(2)]
+  put = lambda x, s: jax.device_put(x, NamedSharding(mesh, s))
+  with jax.set_mesh(mesh):
+    args = (put(q, P(None, "data", "model")), put(kv, P()), put(idx, P(None, "data")),
+            put(sink, P("model")))
+    out = f(*args)
+    hlo = f.lower(*args).compile().as_text()
+  for i in range(2):
+    np.testing.assert_array_equal(np.asarray(out[i], np.float32), np.asarray(want[i], np.float32))
+  _expect_sharded(out, mesh, P(None, "data", "model", None))
+  assert _collectives(hlo) == []
+
+
+@pytest.mark.parametrize("backend", SPARSE_BACKENDS + ["auto"])
+def test_sparse_shard_map_batch_and_heads(sparse_data, sparse_unsharded, backend):
+  mesh = _mesh(AxisType.Auto)
+  local = _sparse_plan(backend, num_heads=H // 2)   # plan.num_heads is the *local* head count
+  f = jax.jit(jax.shard_map(
+      lambda q, kv, i, tl, s: mla_jax.sparse_decode(q, kv, i, plan=local, topk_lens=tl,
+                                                    attn_sink=s, return_lse=True),
+      mesh=mesh, in_specs=(P("data", "model"), P(), P("data"), P("data"), P("model")),
+      out_specs=(P("data", "model"), P("data", "model"))))
+  args = _sparse_place(sparse_data, mesh, P("data", "model"))
+  out, lse = f(*args)
+  _check((out, lse), sparse_unsharded["cpu" if backend == "auto" else backend],
+         sparse_unsharded["ref"])
+  _expect_sharded(out, mesh, P("data", "model", None))
+  assert _collectives(f.lower(*args).compile().as_text()) == []
