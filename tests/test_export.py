@@ -6,10 +6,11 @@ export must allow them explicitly:
     disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(t)
                      for t in mla_jax._ffi.EXPORT_TARGETS]
 
-EXPORT_TARGETS = ("mla_jax_paged_decode_cpu", "mla_jax_paged_decode_cuda"):
-the CPU kernel is in every export that lowers for "cpu" (backends "cpu" and
-"auto"), the CUDA one in exports for "cuda" (backends "cuda" and "auto", when
-mla_jax was built with CUDA kernels). Backend "xla" needs none. Serialization
+EXPORT_TARGETS holds the CPU and CUDA targets of both ops
+(mla_jax_{paged,sparse}_decode_{cpu,cuda}): a CPU target is in every export
+that lowers for "cpu" (backends "cpu" and "auto"), a CUDA one in exports for
+"cuda" (backends "cuda" and "auto", when mla_jax was built with CUDA kernels).
+Backend "xla" needs none. Serialization
 needs the flatbuffers package (in the test extra).
 """
 
