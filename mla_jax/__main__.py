@@ -96,6 +96,8 @@ def main(argv=None) -> int:
     return info()
   if args.scale is not None and args.scale < 1:
     parser.error("--scale must be >= 1")
+  if any(not 1 <= h <= 128 for h in args.heads):
+    parser.error(f"--heads must be in [1, 128], got {args.heads}")
   from mla_jax import demo as demo_mod
   try:
     return demo_mod.run(backend=args.backend, scale=args.scale, dtype=args.dtype,

@@ -43,7 +43,10 @@ def has_cuda_target(name: str) -> bool:
 
 def require_extension():
   if _ext is None:
-    raise RuntimeError(f"mla_jax's compiled extension failed to import: {_IMPORT_ERROR}")
+    raise RuntimeError(
+        f"mla_jax's compiled extension failed to import: {_IMPORT_ERROR} (mla_jax imported "
+        f"from {__file__}; if that is a source checkout without the built extension, run from "
+        "another directory or install with pip install -e .)")
 
 
 @functools.cache

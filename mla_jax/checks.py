@@ -15,7 +15,7 @@ def _first(mask):
   return jnp.argmax(mask)
 
 
-def check_inputs(query, kv_cache, block_table, seq_lens, *, plan: DecodePlan):
+def check_inputs(query, kv_cache, block_table, seq_lens, *, plan: DecodePlan, kv_scale=None):
   """Checks the data the kernels cannot validate at trace time.
 
   The kernels never read out of bounds: a bad request only turns its own
@@ -34,7 +34,7 @@ def check_inputs(query, kv_cache, block_table, seq_lens, *, plan: DecodePlan):
   Raises:
     TypeError, ValueError: as :func:`mla_jax.paged_decode` for bad shapes.
   """
-  inputs = normalize(query, kv_cache, block_table, seq_lens, plan)
+  inputs = normalize(query, kv_cache, block_table, seq_lens, plan, kv_scale)
   num_pages = inputs.ckv.shape[0]
 
   def checks(block_table, seq_lens):

@@ -68,8 +68,11 @@ def _local_decode(plan: DecodePlan, *args, q_axis_added: bool = False):
                          "(no CUDA toolkit at build time, or MLA_JAX_CUDA=0)")
     return _cuda_call(plan, *args, q_axis_added=q_axis_added)
   # "auto": the lowering platform picks the branch; nothing else is lowered.
-  cuda = functools.partial(_cuda_call if _ffi.has_cuda_kernels() else _xla_call, plan,
-                           q_axis_added=q_axis_added)
+  # Every branch is traced, so a GPU branch the kernels cannot serve (widths
+  # other than 512/64, or no CUDA kernels built) falls back to XLA.
+  kernel_ok = _ffi.has_cuda_kernels() and (plan.kv_lora_rank, plan.qk_rope_head_dim) == (512, 64)
+  cuda = (functools.partial(_cuda_call, plan, q_axis_added=q_axis_added) if kernel_ok
+          else functools.partial(_xla_call, plan))
   return jax.lax.platform_dependent(
       *args, cpu=functools.partial(_cpu_call, plan, q_axis_added=q_axis_added), cuda=cuda,
       default=functools.partial(_xla_call, plan))

@@ -641,3 +641,39 @@ def test_hlo_check_follows_calls():
   assert any("kernel operand p1 is not an entry parameter (it is a copy)" in p for p in problems)
   assert data_movement_problems(_CALL_HLO, KERNEL_TARGETS["cpu"]) == [
       "expected one mla_jax_paged_decode_cpu custom-call, got 0"]
+
+
+def test_check_inputs_fp8_cache_with_kv_scale():
+  """check_inputs accepts the same FP8 call paged_decode does."""
+  inp, plan = _check_inputs_case()
+  kv = jnp.asarray(inp["kv_cache"], jnp.float8_e4m3fn)
+  err = mla_jax.check_inputs(inp["query"], kv, inp["block_table"], inp["seq_lens"], plan=plan,
+                             kv_scale=jnp.float32(0.5))
+  assert err.get() is None
+  sl = inp["seq_lens"].copy()
+  sl[0] = -1
+  err = mla_jax.check_inputs(inp["query"], kv, inp["block_table"], sl, plan=plan,
+                             kv_scale=jnp.float32(0.5))
+  assert re.match(r"^request 0: seq_lens\[0\] = -1 is negative", err.get())
+
+
+def test_auto_backend_other_widths_on_cpu():
+  """backend "auto" serves widths the CUDA kernels do not support (cpu/xla):
+  the GPU branch, traced but not lowered on a CPU, must not raise."""
+  rng = np.random.default_rng(3)
+  d = random_paged_inputs(rng, [5, 40], num_heads=4, page_size=16, kv_lora_rank=256,
+                          qk_rope_head_dim=32)
+  plan = mla_jax.DecodePlan(num_heads=4, page_size=16, sm_scale=0.1, kv_lora_rank=256,
+                            qk_rope_head_dim=32)
+  cpu = jax.devices("cpu")[0]
+  with jax.default_device(cpu):
+    q = jax.device_put(jnp.asarray(d["query"], jnp.bfloat16), cpu)
+    kv = jax.device_put(jnp.asarray(d["kv_cache"], jnp.bfloat16), cpu)
+    out, lse = mla_jax.paged_decode(q, kv, d["block_table"], d["seq_lens"], plan=plan,
+                                    return_lse=True)
+  ref_out, ref_lse = mla_jax.testing.reference_paged_decode(
+      np.asarray(q.astype(jnp.float32)), np.asarray(kv.astype(jnp.float32)), d["block_table"],
+      d["seq_lens"], plan)
+  out = np.asarray(out.astype(jnp.float32))
+  assert np.linalg.norm(out - ref_out) / np.linalg.norm(ref_out) < 1e-2
+  np.testing.assert_allclose(np.asarray(lse), ref_lse, atol=2e-2)

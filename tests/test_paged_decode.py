@@ -417,6 +417,7 @@ class VariantsTest(chex.TestCase):
       dict(testcase_name="cuda", backend="cuda"),
   )
   def test_matches_reference(self, backend):
+    # (A chex.TestCase cannot carry the per-case `gpu` marker; skip here.)
     if backend == "cuda" and not HAS_GPU:
       self.skipTest("needs a CUDA GPU")
     case = Case(81, [0, 1, 16, 17, 50], num_heads=12, page_size=16, q_len=2)
