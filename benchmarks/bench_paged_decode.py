@@ -307,15 +307,8 @@ def measure_ceilings(smoke: bool, reps: int, gpu: bool):
 # One row
 # --------------------------------------------------------------------------------------------
 def make_block_table(rng, seq):
-  pages = [-(-int(n) // PAGE_SIZE) for n in seq]
-  num_pages = sum(pages) + 3
-  order = rng.permutation(num_pages).astype(np.int32)
-  bt = np.full((len(seq), max(pages)), -1, np.int32)
-  k = 0
-  for i, n in enumerate(pages):
-    bt[i, :n] = order[k:k + n]
-    k += n
-  return bt, num_pages
+  from mla_jax.testing import scattered_block_table
+  return scattered_block_table(rng, seq, PAGE_SIZE, extra_pages=3)
 
 
 def check_subset(out_lse, q0, cache0, bt, seq, plan, idx):

@@ -34,6 +34,8 @@ import time
 
 import numpy as np
 
+from .testing import scattered_block_table
+
 KV_LORA_RANK = 512
 ROPE_DIM = 64
 D_QK = KV_LORA_RANK + ROPE_DIM
@@ -81,14 +83,7 @@ def make_inputs(seq_lens, num_heads: int, dtype, device, seed: int):
   import jax.numpy as jnp
 
   rng = np.random.default_rng(seed)
-  pages = _pages(seq_lens)
-  num_pages = sum(pages) + 1
-  order = rng.permutation(num_pages).astype(np.int32)
-  block_table = np.full((len(seq_lens), max(pages)), -1, np.int32)
-  k = 0
-  for i, n in enumerate(pages):
-    block_table[i, :n] = order[k:k + n]
-    k += n
+  block_table, num_pages = scattered_block_table(rng, seq_lens, PAGE_SIZE, extra_pages=1)
   with jax.default_device(device):
     kq, kc = jax.random.split(jax.random.key(seed))
     gen = jax.jit(lambda key, shape: jax.random.normal(key, shape, jnp.float32).astype(dtype),

@@ -55,6 +55,26 @@ def reference_paged_decode(query, kv_cache, block_table, seq_lens, plan: DecodeP
   return out, lse
 
 
+def scattered_block_table(rng: np.random.Generator, seq_lens, page_size: int,
+                          extra_pages: int = 0, scatter: bool = True):
+  """A block table giving each request its own pages, without reuse.
+
+  Pages are a random permutation of the cache (``scatter``) or in order;
+  unused entries are -1. Returns (int32 [B, max(1, max pages)], num_pages),
+  num_pages = pages used + ``extra_pages``.
+  """
+  pages_per_seq = [max(0, -(-int(n) // page_size)) for n in seq_lens]
+  max_pages = max([1] + pages_per_seq)
+  num_pages = sum(pages_per_seq) + extra_pages
+  order = rng.permutation(num_pages) if scatter else np.arange(num_pages)
+  block_table = np.full((len(pages_per_seq), max_pages), -1, np.int32)
+  k = 0
+  for i, n in enumerate(pages_per_seq):
+    block_table[i, :n] = order[k:k + n]
+    k += n
+  return block_table, num_pages
+
+
 def random_paged_inputs(rng: np.random.Generator, seq_lens, *, num_heads: int, page_size: int,
                         q_len: int = 1, dtype=np.float32, extra_pages: int = 3,
                         scatter: bool = True, kv_lora_rank: int = 512, qk_rope_head_dim: int = 64):
@@ -72,15 +92,7 @@ def random_paged_inputs(rng: np.random.Generator, seq_lens, *, num_heads: int, p
   seq_lens = np.asarray(seq_lens, np.int32)
   b = len(seq_lens)
   d = kv_lora_rank + qk_rope_head_dim
-  pages_per_seq = [max(0, -(-int(n) // page_size)) for n in seq_lens]
-  max_pages = max(1, max(pages_per_seq) if b else 1)
-  num_pages = sum(pages_per_seq) + extra_pages
-  order = rng.permutation(num_pages) if scatter else np.arange(num_pages)
-  block_table = np.full((b, max_pages), -1, np.int32)
-  k = 0
-  for i, n in enumerate(pages_per_seq):
-    block_table[i, :n] = order[k:k + n]
-    k += n
+  block_table, num_pages = scattered_block_table(rng, seq_lens, page_size, extra_pages, scatter)
   query = rng.standard_normal((b, q_len, num_heads, d)).astype(dtype)
   kv_cache = rng.standard_normal((num_pages, page_size, d)).astype(dtype)
   return dict(query=query, kv_cache=kv_cache, block_table=block_table, seq_lens=seq_lens)
