@@ -139,3 +139,48 @@ def test_deterministic_and_matches_cpu_backend():
     runs.append(np.asarray(mla_jax.paged_decode(q, kv, bt, sl, plan=plan).astype(jnp.float32)))
   for r in runs[1:]:
     np.testing.assert_array_equal(r, runs[0])
+
+
+@pytest.fixture(params=["default", "portable"])
+def kernel_choice(request, monkeypatch):
+  """Runs a test with the default kernel choice (the wgmma kernel for 64-row
+  blocks on sm_90) and with MLA_JAX_PORTABLE_KERNEL=1 (the mma.sync kernel).
+  The handler reads the variable on every call; clearing JAX's caches keeps a
+  command buffer recorded under the other setting from being replayed."""
+  if request.param == "portable":
+    monkeypatch.setenv("MLA_JAX_PORTABLE_KERNEL", "1")
+  else:
+    monkeypatch.delenv("MLA_JAX_PORTABLE_KERNEL", raising=False)
+  jax.clear_caches()
+  yield request.param
+  jax.clear_caches()
+
+
+@pytest.mark.parametrize("heads,q_len,page_size,dtype", [
+    (128, 1, 1, jnp.bfloat16),
+    (128, 1, 16, jnp.float16),
+    (96, 1, 256, jnp.bfloat16),
+    (64, 4, 64, jnp.float16),
+    (128, 2, 32, jnp.bfloat16),
+    (33, 1, 64, jnp.bfloat16),
+])
+def test_64_row_blocks_both_kernels(kernel_choice, heads, q_len, page_size, dtype):
+  rng = np.random.default_rng(heads + 7 * q_len + page_size)
+  lens = [0, 1, q_len, 63, 64, 65, max(page_size - 1, 1), page_size + 1, 2500, 11000]
+  d = random_paged_inputs(rng, lens, num_heads=heads, page_size=page_size, q_len=q_len)
+  plan = mla_jax.DecodePlan(num_heads=heads, page_size=page_size, sm_scale=SM_SCALE, q_len=q_len,
+                            backend="cuda")
+  _check(*_run(d, plan, dtype))
+
+
+def test_64_row_blocks_bad_inputs(kernel_choice):
+  rng = np.random.default_rng(17)
+  d = random_paged_inputs(rng, [9000, 9000, 100, 100, 50], num_heads=128, page_size=64)
+  d["block_table"][0, 100] = d["kv_cache"].shape[0] + 5
+  d["block_table"][2, 0] = -7
+  d["seq_lens"][3] = d["block_table"].shape[1] * 64 + 1
+  d["seq_lens"][4] = -3
+  plan = mla_jax.DecodePlan(num_heads=128, page_size=64, sm_scale=SM_SCALE, backend="cuda")
+  out, lse, ref_out, ref_lse = _run(d, plan, jnp.bfloat16)
+  assert np.isnan(ref_lse[[0, 2, 3, 4]]).all() and np.isfinite(ref_lse[1]).all()
+  _check(out, lse, ref_out, ref_lse)

@@ -1,5 +1,6 @@
 // Host side of the portable decode: validation and the three launches.
 #include "csrc/sm80/api.h"
+#include "csrc/sm90/api.h"
 
 namespace mla_jax {
 namespace sm80 {
@@ -20,7 +21,10 @@ cudaError_t paged_decode(const PagedDecodeParams& params, const DecodeWorkspace&
   if (params.batch == 0 || params.rows_per_request() == 0) return cudaSuccess;
   cudaError_t err = run_scheduler(params, ws, stream);
   if (err != cudaSuccess) return err;
-  if (params.kv_format == KvFormat::kFp8DsMla) {
+  if (sm90::selected(params)) {  // Hopper: the wgmma kernel for 64-row blocks
+    err = params.q_type == ElemType::kBF16 ? sm90::run_decode_bf16(params, ws, stream)
+                                           : sm90::run_decode_fp16(params, ws, stream);
+  } else if (params.kv_format == KvFormat::kFp8DsMla) {
     err = run_decode_ds_mla(params, ws, stream);
   } else {
     switch (params.kv_type) {

@@ -186,7 +186,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     const int32_t* table = sparse ? p.indices + static_cast<int64_t>(b) * p.topk
                                   : p.block_table + static_cast<int64_t>(b) * p.max_pages_per_seq;
 
-    __syncthreads();  // the previous item is done with every buffer
+    // The previous item is done with every buffer (its last cp.async group,
+    // the query's alone when it had no tiles, has landed too).
+    cute::cp_async_wait<0>();
+    __syncthreads();
     if (tid == 0) s_bad_page = 0;
     __syncthreads();
 

@@ -1,0 +1,29 @@
+// Host side of the Hopper decode: when to use it.
+#include <cstdlib>
+
+#include "csrc/sm90/api.h"
+
+namespace mla_jax {
+namespace sm90 {
+
+bool selected(const PagedDecodeParams& p) {
+#if defined(MLA_JAX_SM90A)
+  const char* force_portable = std::getenv("MLA_JAX_PORTABLE_KERNEL");
+  if (force_portable != nullptr && force_portable[0] != '\0' && force_portable[0] != '0') return false;
+  if (p.kv_format != KvFormat::kPlain || p.kv_type != p.q_type) return false;
+  if (p.q_type != ElemType::kBF16 && p.q_type != ElemType::kF16) return false;
+  if (sm80::rows_per_cta(p.rows_per_request()) != 64) return false;
+  // Device attributes are host-side queries (no stream work), so this is
+  // safe while XLA captures the call into a command buffer.
+  int device = 0, major = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return false;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) return false;
+  return major == 9;
+#else
+  (void)p;
+  return false;
+#endif
+}
+
+}  // namespace sm90
+}  // namespace mla_jax

@@ -1,0 +1,28 @@
+// Host entry points of the Hopper (sm_90a) decode kernel.
+//
+// It replaces the portable kernel's 64-row configuration (q_len x heads
+// > 32: H = 64, 96, 128 and MTP) for bf16/fp16 caches on sm_90 devices.
+// The scheduler, the scratch layout and the combine kernel are the
+// portable path's (csrc/sm80): only the per-partition decode differs.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "csrc/common/mla_params.h"
+#include "csrc/sm80/api.h"
+
+namespace mla_jax {
+namespace sm90 {
+
+// True when this build carries sm_90a code, the current device is sm_90,
+// the call is one the kernel serves, and MLA_JAX_PORTABLE_KERNEL is unset
+// (that variable forces the portable kernel, e.g. for A/B benchmarks).
+bool selected(const PagedDecodeParams& params);
+
+cudaError_t run_decode_bf16(const PagedDecodeParams& params, const sm80::DecodeWorkspace& ws,
+                            cudaStream_t stream);
+cudaError_t run_decode_fp16(const PagedDecodeParams& params, const sm80::DecodeWorkspace& ws,
+                            cudaStream_t stream);
+
+}  // namespace sm90
+}  // namespace mla_jax

@@ -1,0 +1,13 @@
+// Instantiation: bf16 query and bf16 cache on sm_90a.
+#include "csrc/sm90/decode_kernel.cuh"
+
+namespace mla_jax {
+namespace sm90 {
+
+cudaError_t run_decode_bf16(const PagedDecodeParams& params, const sm80::DecodeWorkspace& ws,
+                            cudaStream_t stream) {
+  return launch_decode<DecodeTraits<__nv_bfloat16>>(params, ws, stream);
+}
+
+}  // namespace sm90
+}  // namespace mla_jax

@@ -1,0 +1,378 @@
+// Kernel body of the Hopper (sm_90a) split-KV paged MLA decode: wgmma
+// through CuTe with both operands in shared memory. Included by the
+// per-dtype instantiation files decode_*.cu.
+//
+// Grid (num_parts, row blocks of 64) over the items of the on-device
+// scheduler (csrc/sm80/scheduler.cu), like the portable kernel; per item
+// the CTA loads its 64 query rows once, streams 64-token KV tiles through a
+// two-stage cp.async pipeline (page ids from the block table, so any
+// page_size and scattered pages work; one tile is in flight while the
+// previous one is computed), keeps the online softmax in registers and
+// writes the final output or a normalised partial output + LSE for the
+// combine kernel. Per tile (see decode_traits.h for the split of work):
+//   1. both warpgroups: S half = Q K^T (wgmma), mask, scale, row max;
+//   2. exchange the row maxima through shared memory (one barrier);
+//   3. P = exp2(S - max) to shared memory, rescale O, barrier;
+//   4. both warpgroups: O half += P V (wgmma).
+#pragma once
+
+#include <cute/arch/copy_sm80.hpp>
+
+#include "csrc/common/mla_params.h"
+#include "csrc/sm80/api.h"
+#include "csrc/sm80/request.cuh"
+#include "csrc/sm90/decode_traits.h"
+
+namespace mla_jax {
+namespace sm90 {
+
+using sm80::DecodeWorkspace;
+using sm80::kSchedBlockTokens;
+static_assert(kSchedBlockTokens == 64, "one KV tile per scheduler block");
+
+__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool pred) {
+  cute::SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<cute::uint128_t>::copy(*static_cast<const cute::uint128_t*>(gmem),
+                                                               *static_cast<cute::uint128_t*>(smem), pred);
+}
+
+template <typename T>
+__device__ __forceinline__ uint32_t pack2(float a, float b);
+template <>
+__device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float a, float b) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+template <>
+__device__ __forceinline__ uint32_t pack2<__half>(float a, float b) {
+  __half2 v = __floats2half2_rn(a, b);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+// Makes this thread's generic-proxy shared-memory writes (cp.async data
+// once waited for, and st.shared) visible to wgmma, which reads through
+// the async proxy. Must precede the barrier that publishes the data.
+__device__ __forceinline__ void fence_smem_for_wgmma() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+// Byte offset of 16-byte chunk `chunk` (8 elements) of row `row` in a
+// LayoutQK tile: 8-row x 128-byte atoms, row atoms first, then 64-column
+// blocks of 8 KB; inside an atom the chunk index is XORed with row % 8
+// (the hardware's 128-byte swizzle). Equal to &tile(row, 8 * chunk).
+__host__ __device__ __forceinline__ int qk_chunk_offset(int row, int chunk) {
+  return (row & 7) * 128 + (row >> 3) * 1024 + (chunk >> 3) * 8192 + (((chunk & 7) ^ (row & 7)) << 4);
+}
+
+template <typename Tr>
+__global__ void __launch_bounds__(Tr::kThreads, 1)
+    decode_kernel(const PagedDecodeParams p, const DecodeWorkspace ws) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using namespace cute;
+  using T = typename Tr::QType;
+  using Elem = typename Tr::Elem;
+  constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN;
+  constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
+
+  extern __shared__ char smem_raw[];
+  char* smem = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
+  char* sQ_bytes = smem + Tr::kSmemQ;
+  char* sKv_bytes = smem + Tr::kSmemKv;
+  float* sRed = reinterpret_cast<float*>(smem + Tr::kSmemRed);
+  uint8_t* sValid = reinterpret_cast<uint8_t*>(smem + Tr::kSmemValid);
+  int* s_bad_page = reinterpret_cast<int*>(smem + Tr::kSmemFlags);
+
+  const int tid = threadIdx.x;
+  const int wg = tid / 128, wg_tid = tid % 128;
+  const int lane = tid % 32;
+  const int copy_row = tid / Tr::kThreadsPerRow, copy_lane = tid % Tr::kThreadsPerRow;
+
+  // MMA operands. Q and P are A operands (K-major); K (rows = tokens of
+  // this warpgroup's half) and V (this warpgroup's output columns) are B.
+  Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<Elem*>(sQ_bytes)), typename Tr::LayoutQK{});
+  Tensor sP = make_tensor(make_smem_ptr(reinterpret_cast<Elem*>(smem + Tr::kSmemP)), typename Tr::LayoutP{});
+  auto mma_s = make_tiled_mma(typename Tr::MmaS{});
+  auto mma_o = make_tiled_mma(typename Tr::MmaO{});
+  auto thr_s = mma_s.get_thread_slice(wg_tid);
+  auto thr_o = mma_o.get_thread_slice(wg_tid);
+  Tensor tSrQ = thr_s.partition_fragment_A(sQ);
+  Tensor tOrP = thr_o.partition_fragment_A(sP);
+  Tensor tSrS = partition_fragment_C(mma_s, Shape<Int<kBlockM>, Int<Tr::kSCols>>{});
+  Tensor tOrO = partition_fragment_C(mma_o, Shape<Int<kBlockM>, Int<Tr::kOCols>>{});
+  // (row, column) of every accumulator element this thread holds.
+  Tensor tScS = thr_s.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<Tr::kSCols>>{}));
+  Tensor tOcO = thr_o.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<Tr::kOCols>>{}));
+  // wgmma's accumulator layout (m64nNk16, f32): a thread holds rows
+  // warp * 16 + lane / 4 + 8 * rr, and its element i sits in row half
+  // rr = (i / 2) % 2, with elements 2k and 2k + 1 in adjacent columns.
+  // Static rr keeps the per-row state in registers; csrc/sm90/layout_check.cu
+  // verifies these facts against CuTe's layouts.
+  const int row_base = (wg_tid / 32) * 16 + lane / 4;
+  auto half_of = [](int i) { return (i >> 1) & 1; };
+
+  const int part = blockIdx.x;
+  const int m0 = blockIdx.y * kBlockM;
+  const int rows = p.rows_per_request();
+  const float kv_scale = p.kv_scale ? *p.kv_scale : 1.0f;
+  const float scale_log2 = p.sm_scale * kv_scale * kLog2e;
+  const int item_begin = ws.part_begin[part], item_end = ws.part_begin[part + 1];
+  const char* q_nope = static_cast<const char*>(p.q_nope);
+  const char* q_pe = static_cast<const char*>(p.q_pe);
+  const char* ckv = static_cast<const char*>(p.ckv);
+  const char* kpe = static_cast<const char*>(p.kpe);
+  const bool sparse = p.indices != nullptr;
+  const int64_t num_slots = int64_t{p.num_pages} * p.page_size;
+
+  for (int item = item_begin; item < item_end; ++item) {
+    const int b = ws.items[4 * item];
+    const int block_begin = ws.items[4 * item + 1], block_end = ws.items[4 * item + 2];
+    const int splits = ws.request_meta[2 * b + 1];
+    const sm80::RequestSpan span = sm80::request_span(p, ws, b);
+    const int64_t seq_len = span.len;
+    const bool len_ok = span.valid;
+    const int64_t tok_end = min(seq_len, int64_t{block_end} * kSchedBlockTokens);
+    const int tile_begin = block_begin;
+    const int num_tiles = len_ok ? static_cast<int>((tok_end + kBlockN - 1) / kBlockN) - tile_begin : 0;
+    const int32_t* table = sparse ? p.indices + static_cast<int64_t>(b) * p.topk
+                                  : p.block_table + static_cast<int64_t>(b) * p.max_pages_per_seq;
+
+    // The previous item is done with every buffer (its last cp.async group,
+    // the query's alone when it had no tiles, has landed too).
+    cute::cp_async_wait<0>();
+    __syncthreads();
+    if (tid == 0) *s_bad_page = 0;
+    __syncthreads();
+
+    // Page and slot of each KV row this thread copies. page -1: nothing to
+    // read (past the live tokens, or a sparse padding index; zero-filled and
+    // masked); -2: a live dense page id outside the cache (zero-filled, the
+    // request's output becomes NaN).
+    auto fetch_pages = [&](int tile, int (&page)[Tr::kKvPasses], int (&slot)[Tr::kKvPasses]) {
+#pragma unroll
+      for (int ps = 0; ps < Tr::kKvPasses; ++ps) {
+        const int r = ps * Tr::kRowsPerPass + copy_row;
+        const int64_t tok = int64_t{tile} * kBlockN + r;
+        page[ps] = -1;
+        slot[ps] = 0;
+        if (tok < tok_end) {
+          if (sparse) {
+            const int64_t idx = table[tok];
+            if (idx >= 0 && idx < num_slots) {
+              page[ps] = static_cast<int>(idx / p.page_size);
+              slot[ps] = static_cast<int>(idx % p.page_size);
+            }
+          } else {
+            const int id = table[tok / p.page_size];
+            page[ps] = (id >= 0 && id < p.num_pages) ? id : -2;
+            slot[ps] = static_cast<int>(tok % p.page_size);
+          }
+        }
+      }
+    };
+    auto issue_tile = [&](int stage, const int (&page)[Tr::kKvPasses], const int (&slot)[Tr::kKvPasses]) {
+      char* dst_stage = sKv_bytes + stage * Tr::kTileBytes;
+#pragma unroll
+      for (int ps = 0; ps < Tr::kKvPasses; ++ps) {
+        const int r = ps * Tr::kRowsPerPass + copy_row;
+        const bool live = page[ps] >= 0;
+        if (page[ps] == -2) *s_bad_page = 1;
+        if (copy_lane == 0) sValid[stage * kBlockN + r] = live;
+        const int64_t sl = live ? slot[ps] : 0;
+        const int64_t pg = live ? page[ps] : 0;
+        const char* ckv_row = ckv + (pg * p.ckv_page_stride + sl * p.ckv_token_stride) * 2;
+        const char* kpe_row = kpe + (pg * p.kpe_page_stride + sl * p.kpe_token_stride) * 2;
+#pragma unroll
+        for (int j = 0; j < Tr::kChunksPerThread; ++j) {
+          const int c = copy_lane + j * Tr::kThreadsPerRow;
+          const char* src = c < Tr::kNopeChunks ? ckv_row + c * 16 : kpe_row + (c - Tr::kNopeChunks) * 16;
+          cp_async_16(dst_stage + qk_chunk_offset(r, c), src, live);
+        }
+      }
+    };
+
+    // Query rows of this row block (zero past the request's rows).
+    for (int r = copy_row; r < kBlockM; r += Tr::kRowsPerPass) {
+      const bool live = m0 + r < rows;
+      const int64_t grow = int64_t{b} * rows + (live ? m0 + r : 0);
+      const char* qn = q_nope + grow * p.q_nope_row_stride * 2;
+      const char* qp = q_pe + grow * p.q_pe_row_stride * 2;
+#pragma unroll
+      for (int j = 0; j < Tr::kChunksPerThread; ++j) {
+        const int c = copy_lane + j * Tr::kThreadsPerRow;
+        const char* src = c < Tr::kNopeChunks ? qn + c * 16 : qp + (c - Tr::kNopeChunks) * 16;
+        cp_async_16(sQ_bytes + qk_chunk_offset(r, c), src, live);
+      }
+    }
+
+    // Visible length of this thread's two accumulator rows.
+    int limit[2];
+#pragma unroll
+    for (int rr = 0; rr < 2; ++rr) {
+      const int row = m0 + row_base + 8 * rr;
+      const int qi = row < rows ? row / p.num_heads : 0;
+      limit[rr] = row < rows ? static_cast<int>(visible_len(seq_len, p.q_len, qi, p.causal)) : 0;
+    }
+
+    clear(tOrO);
+    float row_max[2] = {-INFINITY, -INFINITY};
+    float row_sum[2] = {0.f, 0.f};  // this warpgroup's share (its 32 tokens of each tile)
+
+    int pages[Tr::kKvPasses], slots[Tr::kKvPasses];
+    if (num_tiles > 0) {
+      fetch_pages(tile_begin, pages, slots);
+      issue_tile(0, pages, slots);
+    }
+    cute::cp_async_fence();
+    if (num_tiles > 1) fetch_pages(tile_begin + 1, pages, slots);
+
+    for (int t = 0; t < num_tiles; ++t) {
+      const int stage = t % Tr::kStages;
+      cute::cp_async_wait<0>();
+      fence_smem_for_wgmma();
+      __syncthreads();  // tile t (and the query) landed; tile t-1 and P are no longer read
+      if (t + 1 < num_tiles) issue_tile((t + 1) % Tr::kStages, pages, slots);
+      cute::cp_async_fence();
+      if (t + 2 < num_tiles) fetch_pages(tile_begin + t + 2, pages, slots);
+
+      Elem* kv_stage = reinterpret_cast<Elem*>(sKv_bytes + stage * Tr::kTileBytes);
+      Tensor sK = make_tensor(make_smem_ptr(kv_stage), typename Tr::LayoutQK{});
+      Tensor sKHalf = local_tile(sK, Shape<Int<Tr::kSCols>, Int<Tr::kDimQK>>{}, make_coord(wg, 0));
+      // Warpgroup 1's output columns start at feature 256: 4 column blocks of 8 KB.
+      Tensor sVHalf = make_tensor(make_smem_ptr(kv_stage + wg * (Tr::kOCols / 64) * 4096),
+                                  typename Tr::LayoutVHalf{});
+      Tensor tSrK = thr_s.partition_fragment_B(sKHalf);
+      Tensor tOrV = thr_o.partition_fragment_B(sVHalf);
+
+      // 1. S = Q K^T over this warpgroup's 32 tokens.
+      clear(tSrS);
+      warpgroup_fence_operand(tSrS);
+      warpgroup_arrive();
+      gemm(mma_s, tSrQ, tSrK, tSrS);
+      warpgroup_commit_batch();
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(tSrS);
+
+      // Mask, scale into the log2 domain, row maxima of this half.
+      const int tok0 = (tile_begin + t) * kBlockN + wg * Tr::kSCols;
+      const uint8_t* valid = sValid + stage * kBlockN + wg * Tr::kSCols;
+      float tile_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+      for (int i = 0; i < size(tSrS); ++i) {
+        const int col = get<1>(tScS(i));
+        const int rr = half_of(i);
+        const bool visible = tok0 + col < limit[rr] && valid[col];
+        const float s = visible ? tSrS(i) * scale_log2 : -INFINITY;
+        tSrS(i) = s;
+        tile_max[rr] = fmaxf(tile_max[rr], s);
+      }
+#pragma unroll
+      for (int rr = 0; rr < 2; ++rr) {
+        tile_max[rr] = fmaxf(tile_max[rr], __shfl_xor_sync(0xffffffffu, tile_max[rr], 1));
+        tile_max[rr] = fmaxf(tile_max[rr], __shfl_xor_sync(0xffffffffu, tile_max[rr], 2));
+        if (lane % 4 == 0) sRed[wg * kBlockM + row_base + 8 * rr] = tile_max[rr];
+      }
+      __syncthreads();  // 2. both halves' maxima are in sRed
+
+      // 3. New running max, P, and the rescaled O.
+      float m_use[2], correction[2];
+#pragma unroll
+      for (int rr = 0; rr < 2; ++rr) {
+        const int row = row_base + 8 * rr;
+        const float m = fmaxf(row_max[rr], fmaxf(sRed[row], sRed[kBlockM + row]));
+        m_use[rr] = m == -INFINITY ? 0.f : m;  // fully masked so far: avoid inf - inf
+        correction[rr] = exp2f(row_max[rr] - m_use[rr]);
+        row_max[rr] = m;
+        row_sum[rr] *= correction[rr];
+      }
+#pragma unroll
+      for (int i = 0; i < size(tSrS); ++i) {
+        const int row = get<0>(tScS(i)), col = get<1>(tScS(i));
+        const int rr = half_of(i);
+        const float e = exp2f(tSrS(i) - m_use[rr]);
+        row_sum[rr] += e;
+        sP(row, wg * Tr::kSCols + col) = static_cast<Elem>(e);
+      }
+#pragma unroll
+      for (int i = 0; i < size(tOrO); ++i) tOrO(i) *= correction[half_of(i)];
+      fence_smem_for_wgmma();
+      __syncthreads();  // P complete; sRed may be overwritten by the next tile
+
+      // 4. O += P V over this warpgroup's 256 output columns.
+      warpgroup_fence_operand(tOrO);
+      warpgroup_arrive();
+      gemm(mma_o, tOrP, tOrV, tOrO);
+      warpgroup_commit_batch();
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(tOrO);
+    }
+
+    // Epilogue: row sums across the quad and the two warpgroups.
+#pragma unroll
+    for (int rr = 0; rr < 2; ++rr) {
+      row_sum[rr] += __shfl_xor_sync(0xffffffffu, row_sum[rr], 1);
+      row_sum[rr] += __shfl_xor_sync(0xffffffffu, row_sum[rr], 2);
+    }
+    __syncthreads();  // sRed's last readers are done
+#pragma unroll
+    for (int rr = 0; rr < 2; ++rr)
+      if (lane % 4 == 0) sRed[wg * kBlockM + row_base + 8 * rr] = row_sum[rr];
+    __syncthreads();
+    const bool bad = !len_ok || *s_bad_page != 0;
+    const bool split = splits > 1;
+    float lse[2], scale[2];
+#pragma unroll
+    for (int rr = 0; rr < 2; ++rr) {
+      const int lrow = row_base + 8 * rr;
+      const int row = m0 + lrow;
+      const float total = sRed[lrow] + sRed[kBlockM + lrow];
+      if (bad) {
+        lse[rr] = NAN;
+        scale[rr] = NAN;
+      } else if (total > 0.f) {
+        lse[rr] = row_max[rr] * kLn2 + logf(total);
+        scale[rr] = kv_scale / total;
+        if (p.attn_sink != nullptr && !split && row < rows) {  // split rows get the sink in combine
+          scale[rr] /= 1.f + __expf(p.attn_sink[row % p.num_heads] - lse[rr]);
+        }
+      } else {
+        lse[rr] = -INFINITY;  // nothing visible: out 0
+        scale[rr] = 0.f;
+      }
+      if (wg == 0 && lane % 4 == 0 && row < rows) {
+        const int64_t out_row = split ? int64_t{item} * rows + row : int64_t{b} * rows + row;
+        (split ? ws.lse_accum : p.lse)[out_row] = lse[rr];
+      }
+    }
+    // Accumulator elements 2k and 2k + 1 are adjacent columns of one row.
+#pragma unroll
+    for (int i = 0; i < size(tOrO); i += 2) {
+      const int lrow = get<0>(tOcO(i));
+      const int row = m0 + lrow;
+      if (row >= rows) continue;
+      const int col = wg * Tr::kOCols + get<1>(tOcO(i));
+      const float sc = scale[half_of(i)];
+      if (split) {
+        float* dst = ws.out_accum + (int64_t{item} * rows + row) * Tr::kDimNope + col;
+        *reinterpret_cast<float2*>(dst) = make_float2(tOrO(i) * sc, tOrO(i + 1) * sc);
+      } else {
+        T* dst = static_cast<T*>(p.out) + (int64_t{b} * rows + row) * Tr::kDimNope + col;
+        *reinterpret_cast<uint32_t*>(dst) = pack2<T>(tOrO(i) * sc, tOrO(i + 1) * sc);
+      }
+    }
+  }
+#endif  // sm_90a
+}
+
+template <typename Tr>
+cudaError_t launch_decode(const PagedDecodeParams& p, const DecodeWorkspace& ws, cudaStream_t stream) {
+  auto kernel = decode_kernel<Tr>;
+  // Per call, not cached: the attribute belongs to the current device.
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemAlloc);
+  if (err != cudaSuccess) return err;
+  const int rows = p.rows_per_request();
+  dim3 grid(ws.num_parts, (rows + Tr::kBlockM - 1) / Tr::kBlockM);
+  kernel<<<grid, Tr::kThreads, Tr::kSmemAlloc, stream>>>(p, ws);
+  return cudaGetLastError();
+}
+
+}  // namespace sm90
+}  // namespace mla_jax

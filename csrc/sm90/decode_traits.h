@@ -1,0 +1,88 @@
+// Tile configuration of the Hopper (sm_90a) split-KV decode kernel.
+//
+// A CTA of two warpgroups computes 64 query rows (q_len x heads of one
+// request) against 64-token KV tiles, with wgmma reading both operands
+// from shared memory:
+//   S = Q K^T   warpgroup w: all 64 rows x tokens [32w, 32w + 32), m64n32k16
+//               over the 576 features (36 k-steps);
+//   O += P V    warpgroup w: all 64 rows x output columns [256w, 256w + 256),
+//               m64n256k16 over the 64 tokens (4 k-steps).
+// Q, each KV stage and P use the 128-byte-swizzled K-major layout: 8-row
+// atoms of 64 elements (one 128-byte line per row). The V operand is the
+// same KV bytes read as an MN-major (dims x tokens) matrix; tiling that
+// view token-atoms first makes the two views address identical bytes
+// (checked by tests/cuda/layout_check.cu at build-test time).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cute/arch/mma_sm90.hpp>
+#include <cute/atom/mma_traits_sm90_gmma.hpp>
+#include <cute/tensor.hpp>
+
+#include <type_traits>
+
+namespace mla_jax {
+namespace sm90 {
+
+template <typename QType_>
+struct DecodeTraits {
+  using QType = QType_;  // __nv_bfloat16 or __half: query, cache, MMA and output type
+  using Elem = std::conditional_t<std::is_same_v<QType, __nv_bfloat16>, cute::bfloat16_t, cute::half_t>;
+
+  static constexpr int kDimNope = 512;  // kv_lora_rank (= V and output width)
+  static constexpr int kDimRope = 64;   // qk_rope_head_dim
+  static constexpr int kDimQK = kDimNope + kDimRope;
+  static constexpr int kBlockM = 64;    // query rows per CTA
+  static constexpr int kBlockN = 64;    // tokens per KV tile (= the scheduler's block)
+  static constexpr int kWarpgroups = 2;
+  static constexpr int kThreads = 128 * kWarpgroups;
+  static constexpr int kStages = 2;
+  static constexpr int kSCols = kBlockN / kWarpgroups;   // S columns (tokens) per warpgroup
+  static constexpr int kOCols = kDimNope / kWarpgroups;  // O columns per warpgroup
+
+  using AtomK = cute::GMMA::Layout_K_SW128_Atom<Elem>;
+  using AtomMN = cute::GMMA::Layout_MN_SW128_Atom<Elem>;
+  // (row, feature) for Q and for each KV stage (row = token).
+  using LayoutQK = decltype(cute::tile_to_shape(AtomK{}, cute::Shape<cute::Int<kBlockM>, cute::Int<kDimQK>>{}));
+  // (row, token) for P.
+  using LayoutP = decltype(cute::tile_to_shape(AtomK{}, cute::Shape<cute::Int<kBlockM>, cute::Int<kBlockN>>{}));
+  // (output column, token) for one warpgroup's half of V; token atoms first
+  // so that column c, token t lands where LayoutQK puts (t, c).
+  using LayoutVHalf = decltype(cute::tile_to_shape(
+      AtomMN{}, cute::Shape<cute::Int<kOCols>, cute::Int<kBlockN>>{}, cute::Step<cute::_2, cute::_1>{}));
+
+  using MmaS = decltype(cute::SM90::GMMA::ss_op_selector<
+                        Elem, Elem, float, cute::Shape<cute::_64, cute::Int<kSCols>, cute::Int<kDimQK>>,
+                        cute::GMMA::Major::K, cute::GMMA::Major::K>());
+  using MmaO = decltype(cute::SM90::GMMA::ss_op_selector<
+                        Elem, Elem, float, cute::Shape<cute::_64, cute::Int<kOCols>, cute::Int<kBlockN>>,
+                        cute::GMMA::Major::K, cute::GMMA::Major::MN>());
+
+  // Shared memory (bytes from a 1024-byte aligned base: the 128-byte swizzle
+  // pattern repeats every 1024 bytes of address).
+  static constexpr int kTileBytes = kBlockM * kDimQK * 2;  // Q, and one KV stage (64 rows each)
+  static_assert(kBlockM == kBlockN);
+  static constexpr int kSmemQ = 0;
+  static constexpr int kSmemKv = kSmemQ + kTileBytes;
+  static constexpr int kSmemP = kSmemKv + kStages * kTileBytes;
+  static constexpr int kSmemRed = kSmemP + kBlockM * kBlockN * 2;      // [warpgroup][row] floats
+  static constexpr int kSmemValid = kSmemRed + kWarpgroups * kBlockM * 4;  // [stage][token] flags
+  static constexpr int kSmemFlags = kSmemValid + kStages * kBlockN;      // bad-page flag
+  static constexpr int kSmemBytes = kSmemFlags + 16;
+  static constexpr int kSmemAlloc = kSmemBytes + 1024;  // room to align the base
+  static_assert(kSmemAlloc <= 227 * 1024, "exceeds the sm_90 shared memory per block");
+
+  // Global->shared copies: 8 threads per row, 16 bytes each, 32 rows a pass.
+  static constexpr int kThreadsPerRow = 8;
+  static constexpr int kRowsPerPass = kThreads / kThreadsPerRow;
+  static constexpr int kKvPasses = kBlockN / kRowsPerPass;
+  static constexpr int kChunks = kDimQK / 8;     // 16-byte chunks per row
+  static constexpr int kNopeChunks = kDimNope / 8;
+  static constexpr int kChunksPerThread = kChunks / kThreadsPerRow;
+  static_assert(kChunks % kThreadsPerRow == 0 && kBlockN % kRowsPerPass == 0);
+};
+
+}  // namespace sm90
+}  // namespace mla_jax

@@ -1,0 +1,63 @@
+// Host-side check of the layout facts the Hopper kernel relies on (it
+// needs no GPU; tests/test_sm90_layout.py builds and runs it with nvcc):
+//   - qk_chunk_offset() is where CuTe's LayoutQK puts each 16-byte chunk
+//     (the cp.async copies write there, wgmma reads through CuTe);
+//   - each warpgroup's MN-major V view addresses the same bytes as the
+//     K-major KV tile, and local_tile's token half is the tile's rows;
+//   - the wgmma accumulator layouts: thread t's element i lies in row
+//     (t / 32) * 16 + (t % 32) / 4 + 8 * ((i / 2) % 2), and elements 2k,
+//     2k + 1 are adjacent columns of one row.
+// Exit status 0 when every check holds.
+#include <cstdio>
+
+#include "csrc/sm90/decode_kernel.cuh"
+
+using namespace cute;
+
+template <typename Tr>
+int check_traits(const char* name) {
+  int bad = 0;
+  alignas(1024) static typename Tr::Elem buf[Tr::kBlockM * Tr::kDimQK];
+  auto sK = make_tensor(make_smem_ptr(buf), typename Tr::LayoutQK{});
+  const char* base = reinterpret_cast<const char*>(buf);
+  for (int r = 0; r < Tr::kBlockN; ++r) {
+    for (int c = 0; c < Tr::kDimQK; ++c) {
+      const long at = reinterpret_cast<const char*>(&sK(r, c)) - base;
+      const long want = mla_jax::sm90::qk_chunk_offset(r, c / 8) + (c % 8) * 2;
+      if (at != want && bad++ < 5) std::printf("%s: tile(%d, %d) at %ld, qk_chunk_offset says %ld\n", name, r, c, at, want);
+      if (c < Tr::kDimNope) {
+        const int w = c / Tr::kOCols;
+        auto sV = make_tensor(make_smem_ptr(buf + w * (Tr::kOCols / 64) * 4096), typename Tr::LayoutVHalf{});
+        const long v_at = reinterpret_cast<const char*>(&sV(c % Tr::kOCols, r)) - base;
+        if (v_at != at && bad++ < 5) std::printf("%s: V(%d, %d) at %ld, K(%d, %d) at %ld\n", name, c, r, v_at, r, c, at);
+      }
+      const int w = r / Tr::kSCols;
+      auto half = local_tile(sK, Shape<Int<Tr::kSCols>, Int<Tr::kDimQK>>{}, make_coord(w, 0));
+      if (&half(r % Tr::kSCols, c) != &sK(r, c) && bad++ < 5) std::printf("%s: K half mismatch at (%d, %d)\n", name, r, c);
+    }
+  }
+  auto check_acc = [&](auto mma, auto shape, const char* which) {
+    for (int t = 0; t < 128; ++t) {
+      auto coords = mma.get_thread_slice(t).partition_C(make_identity_tensor(shape));
+      for (int i = 0; i < size(coords); ++i) {
+        const int row = get<0>(coords(i)), col = get<1>(coords(i));
+        const int want_row = (t / 32) * 16 + (t % 32) / 4 + 8 * ((i >> 1) & 1);
+        if (row != want_row && bad++ < 5) std::printf("%s %s: thread %d element %d in row %d, expected %d\n", name, which, t, i, row, want_row);
+        if (i % 2 == 1) {
+          const int prow = get<0>(coords(i - 1)), pcol = get<1>(coords(i - 1));
+          if ((prow != row || pcol + 1 != col) && bad++ < 5) std::printf("%s %s: elements %d, %d not adjacent\n", name, which, i - 1, i);
+        }
+      }
+    }
+  };
+  check_acc(make_tiled_mma(typename Tr::MmaS{}), Shape<Int<Tr::kBlockM>, Int<Tr::kSCols>>{}, "S");
+  check_acc(make_tiled_mma(typename Tr::MmaO{}), Shape<Int<Tr::kBlockM>, Int<Tr::kOCols>>{}, "O");
+  std::printf("%s: %s\n", name, bad ? "FAILED" : "ok");
+  return bad;
+}
+
+int main() {
+  int bad = check_traits<mla_jax::sm90::DecodeTraits<__nv_bfloat16>>("bf16");
+  bad += check_traits<mla_jax::sm90::DecodeTraits<__half>>("fp16");
+  return bad ? 1 : 0;
+}
