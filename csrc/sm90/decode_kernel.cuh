@@ -6,14 +6,15 @@
 // scheduler (csrc/sm80/scheduler.cu), like the portable kernel; per item
 // the CTA loads its 64 query rows once, streams 64-token KV tiles through a
 // two-stage cp.async pipeline (page ids from the block table, so any
-// page_size and scattered pages work; one tile is in flight while the
-// previous one is computed), keeps the online softmax in registers and
+// page_size and scattered pages work), keeps the online softmax in registers and
 // writes the final output or a normalised partial output + LSE for the
-// combine kernel. Per tile (see decode_traits.h for the split of work):
-//   1. both warpgroups: S half = Q K^T (wgmma), mask, scale, row max;
+// combine kernel. Per tile t (see decode_traits.h for the split of work):
+//   1. S(t) half (computed during the previous tile): mask, scale, row max;
 //   2. exchange the row maxima through shared memory (one barrier);
 //   3. P = exp2(S - max) to shared memory, rescale O, barrier;
-//   4. both warpgroups: O half += P V (wgmma).
+//   4. issue O half += P(t) V(t) and S(t+1) = Q K(t+1)^T back to back
+//      (wgmma, async); once PV(t) is done, tile t+2 starts loading into
+//      tile t's stage while S(t+1) still runs.
 #pragma once
 
 #include <cute/arch/copy_sm80.hpp>
@@ -216,40 +217,59 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     float row_max[2] = {-INFINITY, -INFINITY};
     float row_sum[2] = {0.f, 0.f};  // this warpgroup's share (its 32 tokens of each tile)
 
+    // Operands of tile t: K half and V half of stage t % 2.
+    auto k_operand = [&](int t) {
+      Elem* kv = reinterpret_cast<Elem*>(sKv_bytes + (t % Tr::kStages) * Tr::kTileBytes);
+      Tensor sK = make_tensor(make_smem_ptr(kv), typename Tr::LayoutQK{});
+      return thr_s.partition_fragment_B(
+          local_tile(sK, Shape<Int<Tr::kSCols>, Int<Tr::kDimQK>>{}, make_coord(wg, 0)));
+    };
+    auto v_operand = [&](int t) {
+      Elem* kv = reinterpret_cast<Elem*>(sKv_bytes + (t % Tr::kStages) * Tr::kTileBytes);
+      // Warpgroup 1's output columns start at feature 256: 4 column blocks of 8 KB.
+      return thr_o.partition_fragment_B(
+          make_tensor(make_smem_ptr(kv + wg * (Tr::kOCols / 64) * 4096), typename Tr::LayoutVHalf{}));
+    };
+    auto issue_s = [&](int t) {  // S = Q K^T over this warpgroup's 32 tokens of tile t (async)
+      // tSrS was zeroed before the pipeline stage began (see step()).
+      warpgroup_fence_operand(tSrS);
+      warpgroup_arrive();
+      gemm(mma_s, tSrQ, k_operand(t), tSrS);
+    };
+
+    // Prologue: query + tile 0, then tile 1, in flight; S of tile 0.
     int pages[Tr::kKvPasses], slots[Tr::kKvPasses];
     if (num_tiles > 0) {
       fetch_pages(tile_begin, pages, slots);
       issue_tile(0, pages, slots);
     }
     cute::cp_async_fence();
-    if (num_tiles > 1) fetch_pages(tile_begin + 1, pages, slots);
-
-    for (int t = 0; t < num_tiles; ++t) {
-      const int stage = t % Tr::kStages;
-      cute::cp_async_wait<0>();
-      fence_smem_for_wgmma();
-      __syncthreads();  // tile t (and the query) landed; tile t-1 and P are no longer read
-      if (t + 1 < num_tiles) issue_tile((t + 1) % Tr::kStages, pages, slots);
-      cute::cp_async_fence();
-      if (t + 2 < num_tiles) fetch_pages(tile_begin + t + 2, pages, slots);
-
-      Elem* kv_stage = reinterpret_cast<Elem*>(sKv_bytes + stage * Tr::kTileBytes);
-      Tensor sK = make_tensor(make_smem_ptr(kv_stage), typename Tr::LayoutQK{});
-      Tensor sKHalf = local_tile(sK, Shape<Int<Tr::kSCols>, Int<Tr::kDimQK>>{}, make_coord(wg, 0));
-      // Warpgroup 1's output columns start at feature 256: 4 column blocks of 8 KB.
-      Tensor sVHalf = make_tensor(make_smem_ptr(kv_stage + wg * (Tr::kOCols / 64) * 4096),
-                                  typename Tr::LayoutVHalf{});
-      Tensor tSrK = thr_s.partition_fragment_B(sKHalf);
-      Tensor tOrV = thr_o.partition_fragment_B(sVHalf);
-
-      // 1. S = Q K^T over this warpgroup's 32 tokens.
+    if (num_tiles > 1) {
+      fetch_pages(tile_begin + 1, pages, slots);
+      issue_tile(1, pages, slots);
+    }
+    cute::cp_async_fence();
+    if (num_tiles > 2) fetch_pages(tile_begin + 2, pages, slots);
+    cute::cp_async_wait<1>();
+    fence_smem_for_wgmma();
+    __syncthreads();  // query and tile 0 landed
+    if (num_tiles > 0) {
       clear(tSrS);
-      warpgroup_fence_operand(tSrS);
-      warpgroup_arrive();
-      gemm(mma_s, tSrQ, tSrK, tSrS);
+      issue_s(0);
       warpgroup_commit_batch();
       warpgroup_wait<0>();
       warpgroup_fence_operand(tSrS);
+    }
+
+    // Per tile t (S(t) is done on entry): softmax(t) -> P(t); then PV(t) and
+    // S(t+1) go to the tensor cores back to back, and tile t+2 is loaded
+    // into tile t's stage as soon as PV(t) has finished reading it.
+    // The last tile is peeled off (kHasNext false): a conditional S(t+1)
+    // would make the compiler copy the in-flight accumulators at the merge
+    // point, which serialises the wgmmas.
+    auto step = [&](const int t, auto has_next) {
+      constexpr bool kHasNext = decltype(has_next)::value;
+      const int stage = t % Tr::kStages;
 
       // Mask, scale into the log2 domain, row maxima of this half.
       const int tok0 = (tile_begin + t) * kBlockN + wg * Tr::kSCols;
@@ -270,9 +290,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         tile_max[rr] = fmaxf(tile_max[rr], __shfl_xor_sync(0xffffffffu, tile_max[rr], 2));
         if (lane % 4 == 0) sRed[wg * kBlockM + row_base + 8 * rr] = tile_max[rr];
       }
-      __syncthreads();  // 2. both halves' maxima are in sRed
+      __syncthreads();  // both halves' maxima are in sRed
 
-      // 3. New running max, P, and the rescaled O.
+      // New running max, P, and the rescaled O (PV(t-1) has completed).
       float m_use[2], correction[2];
 #pragma unroll
       for (int rr = 0; rr < 2; ++rr) {
@@ -293,17 +313,35 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       }
 #pragma unroll
       for (int i = 0; i < size(tOrO); ++i) tOrO(i) *= correction[half_of(i)];
+      if constexpr (kHasNext) clear(tSrS);  // S(t+1) accumulates from zero
+      cute::cp_async_wait<0>();  // tile t+1 (the only group in flight)
       fence_smem_for_wgmma();
-      __syncthreads();  // P complete; sRed may be overwritten by the next tile
+      __syncthreads();  // P(t) complete, tile t+1 visible; sRed free again
 
-      // 4. O += P V over this warpgroup's 256 output columns.
+      // O += P V over this warpgroup's 256 output columns, then S(t+1).
       warpgroup_fence_operand(tOrO);
       warpgroup_arrive();
-      gemm(mma_o, tOrP, tOrV, tOrO);
+      gemm(mma_o, tOrP, v_operand(t), tOrO);
       warpgroup_commit_batch();
-      warpgroup_wait<0>();
+      if constexpr (kHasNext) {
+        issue_s(t + 1);
+        warpgroup_commit_batch();
+        warpgroup_wait<1>();  // PV(t) done
+      } else {
+        warpgroup_wait<0>();
+      }
       warpgroup_fence_operand(tOrO);
-    }
+      if constexpr (kHasNext) {
+        __syncthreads();  // both warpgroups are done with tile t's stage and with P(t)
+        if (t + 2 < num_tiles) issue_tile(stage, pages, slots);
+        cute::cp_async_fence();
+        if (t + 3 < num_tiles) fetch_pages(tile_begin + t + 3, pages, slots);
+        warpgroup_wait<0>();  // S(t+1) done
+        warpgroup_fence_operand(tSrS);
+      }
+    };
+    for (int t = 0; t + 1 < num_tiles; ++t) step(t, std::true_type{});
+    if (num_tiles > 0) step(num_tiles - 1, std::false_type{});
 
     // Epilogue: row sums across the quad and the two warpgroups.
 #pragma unroll
