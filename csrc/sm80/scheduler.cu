@@ -22,10 +22,11 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kSplitOverhead = 2;
-// Least work (blocks) worth a partition of its own: below it, a split's
-// fixed cost (query load, partial write, combine read) outweighs the
-// parallelism, so small batches use fewer partitions.
-constexpr int kMinPartWork = 8;
+// Least work (blocks) worth a partition of its own. Measured on the H200
+// (benchmarks/NOTES.md): 8 made one 4k request slower than 1 (66.7 vs
+// 59.2 us, portable kernel), so a split's fixed cost is below a block's;
+// every partition may get as little as one block.
+constexpr int kMinPartWork = 1;
 
 // An invalid request has no blocks: one empty item writes its NaN output.
 __device__ __forceinline__ int num_blocks_of(const PagedDecodeParams& p, const DecodeWorkspace& ws, int b) {
