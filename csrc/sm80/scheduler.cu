@@ -22,11 +22,12 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kSplitOverhead = 2;
-// Least work (blocks) worth a partition of its own. Measured on the H200
-// (benchmarks/NOTES.md): 8 made one 4k request slower than 1 (66.7 vs
-// 59.2 us, portable kernel), so a split's fixed cost is below a block's;
-// every partition may get as little as one block.
-constexpr int kMinPartWork = 1;
+// Least work (blocks) worth a partition of its own: below it, a split's
+// fixed cost (query load, partial write, combine read) outweighs the
+// parallelism, so small batches use fewer partitions. Measured on the H200
+// for one 4k request at H = 128 (benchmarks/NOTES.md, v2): 47.4 us with 8,
+// 58.3 us with 1 (Hopper kernel); the portable kernel preferred 1.
+constexpr int kMinPartWork = 8;
 
 // An invalid request has no blocks: one empty item writes its NaN output.
 __device__ __forceinline__ int num_blocks_of(const PagedDecodeParams& p, const DecodeWorkspace& ws, int b) {
