@@ -2,7 +2,7 @@
 // through CuTe with both operands in shared memory. Included by the
 // per-dtype instantiation files decode_*.cu.
 //
-// Grid (num_parts, row blocks of 64) over the items of the on-device
+// Grid (row blocks of 64, num_parts) over the items of the on-device
 // scheduler (csrc/sm80/scheduler.cu), like the portable kernel; per item
 // the CTA loads its 64 query rows once, streams 64-token KV tiles through a
 // two-stage cp.async pipeline (page ids from the block table, so any
@@ -110,8 +110,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   const int row_base = (wg_tid / 32) * 16 + lane / 4;
   auto half_of = [](int i) { return (i >> 1) & 1; };
 
-  const int part = blockIdx.x;
-  const int m0 = blockIdx.y * kBlockM;
+  // Row blocks of one partition are adjacent in launch order: they stream
+  // the same KV tiles at the same time, so the second read hits L2.
+  const int part = blockIdx.y;
+  const int m0 = blockIdx.x * kBlockM;
   const int rows = p.rows_per_request();
   const float kv_scale = p.kv_scale ? *p.kv_scale : 1.0f;
   const float scale_log2 = p.sm_scale * kv_scale * kLog2e;
@@ -407,7 +409,7 @@ cudaError_t launch_decode(const PagedDecodeParams& p, const DecodeWorkspace& ws,
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemAlloc);
   if (err != cudaSuccess) return err;
   const int rows = p.rows_per_request();
-  dim3 grid(ws.num_parts, (rows + Tr::kBlockM - 1) / Tr::kBlockM);
+  dim3 grid((rows + Tr::kBlockM - 1) / Tr::kBlockM, ws.num_parts);
   kernel<<<grid, Tr::kThreads, Tr::kSmemAlloc, stream>>>(p, ws);
   return cudaGetLastError();
 }
