@@ -18,23 +18,11 @@
 #include "csrc/common/mla_params.h"
 #include "csrc/sm80/api.h"
 #include "csrc/sm80/decode_traits.h"
+#include "csrc/sm80/kv_source.cuh"
 #include "csrc/sm80/request.cuh"
 
 namespace mla_jax {
 namespace sm80 {
-
-template <typename T>
-__device__ __forceinline__ uint32_t pack2(float a, float b);
-template <>
-__device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float a, float b) {
-  __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
-  return *reinterpret_cast<uint32_t*>(&v);
-}
-template <>
-__device__ __forceinline__ uint32_t pack2<__half>(float a, float b) {
-  __half2 v = __floats2half2_rn(a, b);
-  return *reinterpret_cast<uint32_t*>(&v);
-}
 
 template <typename T>
 __device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1);
@@ -59,10 +47,6 @@ __device__ __forceinline__ void ldsm_x2(const void* smem, uint32_t (&r)[2]) {
 }
 __device__ __forceinline__ void ldsm_x4_trans(const void* smem, uint32_t (&r)[4]) {
   cute::SM75_U16x8_LDSM_T::copy(*static_cast<const cute::uint128_t*>(smem), r[0], r[1], r[2], r[3]);
-}
-__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool pred) {
-  cute::SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<cute::uint128_t>::copy(*static_cast<const cute::uint128_t*>(gmem),
-                                                               *static_cast<cute::uint128_t*>(smem), pred);
 }
 
 // 16 e4m3 values -> 16 QType values times `scale` (two 16-byte stores).
@@ -170,7 +154,6 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   constexpr int kKvElem = std::is_same_v<typename Tr::KvTag, KvNative> ? 2 : 1;
   constexpr int kConvertUnits = std::is_same_v<typename Tr::KvTag, KvDsMla> ? 40 : Tr::kKvChunks;
   const bool sparse = p.indices != nullptr;
-  const int64_t num_slots = int64_t{p.num_pages} * p.page_size;
 
   for (int item = item_begin; item < item_end; ++item) {
     const int b = ws.items[4 * item];
@@ -193,30 +176,15 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     if (tid == 0) s_bad_page = 0;
     __syncthreads();
 
-    // Page and slot of each KV row this thread copies. page -1: nothing to
-    // read (past the live tokens, or a sparse padding index; zero-filled and
-    // masked); -2: a live dense page id outside the cache (zero-filled, the
-    // request's output becomes NaN).
+    // Page and slot of each KV row this thread copies (see locate_token).
     auto fetch_pages = [&](int tile, int (&page)[Tr::kKvPasses], int (&slot)[Tr::kKvPasses]) {
 #pragma unroll
       for (int ps = 0; ps < Tr::kKvPasses; ++ps) {
         const int r = ps * Tr::kRowsPerPass + copy_row;
-        const int64_t tok = int64_t{tile} * kBlockN + r;
-        page[ps] = -1;
-        slot[ps] = 0;
-        if (r < kBlockN && tok < tok_end) {
-          if (sparse) {
-            const int64_t idx = table[tok];
-            if (idx >= 0 && idx < num_slots) {
-              page[ps] = static_cast<int>(idx / p.page_size);
-              slot[ps] = static_cast<int>(idx % p.page_size);
-            }
-          } else {
-            const int id = table[tok / p.page_size];
-            page[ps] = (id >= 0 && id < p.num_pages) ? id : -2;
-            slot[ps] = static_cast<int>(tok % p.page_size);
-          }
-        }
+        const TokenSource src =
+            r < kBlockN ? locate_token(p, table, int64_t{tile} * kBlockN + r, tok_end) : TokenSource{-1, 0};
+        page[ps] = src.page;
+        slot[ps] = src.slot;
       }
     };
     auto issue_tile = [&](int tile, int stage, const int (&page)[Tr::kKvPasses],

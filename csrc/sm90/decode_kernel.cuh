@@ -17,37 +17,22 @@
 //      tile t's stage while S(t+1) still runs.
 #pragma once
 
-#include <cute/arch/copy_sm80.hpp>
-
 #include "csrc/common/mla_params.h"
 #include "csrc/sm80/api.h"
+#include "csrc/sm80/kv_source.cuh"
 #include "csrc/sm80/request.cuh"
 #include "csrc/sm90/decode_traits.h"
 
 namespace mla_jax {
 namespace sm90 {
 
+using sm80::cp_async_16;
 using sm80::DecodeWorkspace;
 using sm80::kSchedBlockTokens;
+using sm80::locate_token;
+using sm80::pack2;
+using sm80::TokenSource;
 static_assert(kSchedBlockTokens == 64, "one KV tile per scheduler block");
-
-__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool pred) {
-  cute::SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<cute::uint128_t>::copy(*static_cast<const cute::uint128_t*>(gmem),
-                                                               *static_cast<cute::uint128_t*>(smem), pred);
-}
-
-template <typename T>
-__device__ __forceinline__ uint32_t pack2(float a, float b);
-template <>
-__device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float a, float b) {
-  __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
-  return *reinterpret_cast<uint32_t*>(&v);
-}
-template <>
-__device__ __forceinline__ uint32_t pack2<__half>(float a, float b) {
-  __half2 v = __floats2half2_rn(a, b);
-  return *reinterpret_cast<uint32_t*>(&v);
-}
 
 // Makes this thread's generic-proxy shared-memory writes (cp.async data
 // once waited for, and st.shared) visible to wgmma, which reads through
@@ -123,7 +108,6 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   const char* ckv = static_cast<const char*>(p.ckv);
   const char* kpe = static_cast<const char*>(p.kpe);
   const bool sparse = p.indices != nullptr;
-  const int64_t num_slots = int64_t{p.num_pages} * p.page_size;
 
   for (int item = item_begin; item < item_end; ++item) {
     const int b = ws.items[4 * item];
@@ -145,30 +129,14 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     if (tid == 0) *s_bad_page = 0;
     __syncthreads();
 
-    // Page and slot of each KV row this thread copies. page -1: nothing to
-    // read (past the live tokens, or a sparse padding index; zero-filled and
-    // masked); -2: a live dense page id outside the cache (zero-filled, the
-    // request's output becomes NaN).
+    // Page and slot of each KV row this thread copies (see locate_token).
     auto fetch_pages = [&](int tile, int (&page)[Tr::kKvPasses], int (&slot)[Tr::kKvPasses]) {
 #pragma unroll
       for (int ps = 0; ps < Tr::kKvPasses; ++ps) {
-        const int r = ps * Tr::kRowsPerPass + copy_row;
-        const int64_t tok = int64_t{tile} * kBlockN + r;
-        page[ps] = -1;
-        slot[ps] = 0;
-        if (tok < tok_end) {
-          if (sparse) {
-            const int64_t idx = table[tok];
-            if (idx >= 0 && idx < num_slots) {
-              page[ps] = static_cast<int>(idx / p.page_size);
-              slot[ps] = static_cast<int>(idx % p.page_size);
-            }
-          } else {
-            const int id = table[tok / p.page_size];
-            page[ps] = (id >= 0 && id < p.num_pages) ? id : -2;
-            slot[ps] = static_cast<int>(tok % p.page_size);
-          }
-        }
+        const TokenSource src =
+            locate_token(p, table, int64_t{tile} * kBlockN + ps * Tr::kRowsPerPass + copy_row, tok_end);
+        page[ps] = src.page;
+        slot[ps] = src.slot;
       }
     };
     auto issue_tile = [&](int stage, const int (&page)[Tr::kKvPasses], const int (&slot)[Tr::kKvPasses]) {
