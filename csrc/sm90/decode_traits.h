@@ -11,7 +11,8 @@
 // atoms of 64 elements (one 128-byte line per row). The V operand is the
 // same KV bytes read as an MN-major (dims x tokens) matrix; tiling that
 // view token-atoms first makes the two views address identical bytes
-// (checked by tests/cuda/layout_check.cu at build-test time).
+// (checked on the host by csrc/sm90/layout_check.cu, which
+// tests/test_sm90_layout.py builds and runs).
 #pragma once
 
 #include <cuda_bf16.h>
