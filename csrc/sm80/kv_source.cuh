@@ -42,16 +42,35 @@ struct TokenSource {
   int slot;
 };
 
+// Quotient and remainder by the page size: a shift and a mask for the usual
+// power-of-two sizes (a general division costs tens of instructions, and
+// the kernels call this for every KV row they copy). x >= 0.
+__device__ __forceinline__ void div_page(const PagedDecodeParams& p, int x, int& q, int& r) {
+  const unsigned ps = static_cast<unsigned>(p.page_size);
+  if ((ps & (ps - 1)) == 0) {
+    q = static_cast<int>(static_cast<unsigned>(x) >> (__ffs(ps) - 1));
+    r = static_cast<int>(static_cast<unsigned>(x) & (ps - 1));
+  } else {
+    q = static_cast<int>(static_cast<unsigned>(x) / ps);
+    r = static_cast<int>(static_cast<unsigned>(x) - static_cast<unsigned>(q) * ps);
+  }
+}
+
+// Positions and sequence lengths are int32 on the host (seq_lens, indices),
+// so tok < tok_end < 2^31 and 32-bit arithmetic is exact.
 __device__ __forceinline__ TokenSource locate_token(const PagedDecodeParams& p, const int32_t* table,
                                                     int64_t tok, int64_t tok_end) {
   if (tok >= tok_end) return {-1, 0};
+  int page, slot;
   if (p.indices != nullptr) {
-    const int64_t idx = table[tok];
-    if (idx < 0 || idx >= int64_t{p.num_pages} * p.page_size) return {-1, 0};
-    return {static_cast<int>(idx / p.page_size), static_cast<int>(idx % p.page_size)};
+    const int idx = table[tok];
+    if (idx < 0 || int64_t{idx} >= int64_t{p.num_pages} * p.page_size) return {-1, 0};
+    div_page(p, idx, page, slot);
+    return {page, slot};
   }
-  const int id = table[tok / p.page_size];
-  return {(id >= 0 && id < p.num_pages) ? id : -2, static_cast<int>(tok % p.page_size)};
+  div_page(p, static_cast<int>(tok), page, slot);
+  const int id = table[page];
+  return {(id >= 0 && id < p.num_pages) ? id : -2, slot};
 }
 
 }  // namespace sm80

@@ -13,6 +13,11 @@ bool selected(const PagedDecodeParams& p) {
   if (p.kv_format != KvFormat::kPlain || p.kv_type != p.q_type) return false;
   if (p.q_type != ElemType::kBF16 && p.q_type != ElemType::kF16) return false;
   if (sm80::rows_per_cta(p.rows_per_request()) != 64) return false;
+  // The kernel addresses cache row page * page_size + slot with the token
+  // stride alone (true of every cache ffi/decode_args.cc describes).
+  if (p.ckv_page_stride != int64_t{p.page_size} * p.ckv_token_stride ||
+      p.kpe_page_stride != int64_t{p.page_size} * p.kpe_token_stride)
+    return false;
   // Device attributes are host-side queries (no stream work), so this is
   // safe while XLA captures the call into a command buffer.
   int device = 0, major = 0;

@@ -22,6 +22,10 @@
 #include "csrc/sm80/kv_source.cuh"
 #include "csrc/sm80/request.cuh"
 #include "csrc/sm90/decode_traits.h"
+#include "csrc/sm90/kv_tma.h"
+
+#include <cute/arch/copy_sm90_tma.hpp>
+#include <cutlass/arch/barrier.h>
 
 namespace mla_jax {
 namespace sm90 {
@@ -51,7 +55,7 @@ __host__ __device__ __forceinline__ int qk_chunk_offset(int row, int chunk) {
 
 template <typename Tr>
 __global__ void __launch_bounds__(Tr::kThreads, 1)
-    decode_kernel(const PagedDecodeParams p, const DecodeWorkspace ws) {
+    decode_kernel(const PagedDecodeParams p, const DecodeWorkspace ws, const __grid_constant__ KvTma tma) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using namespace cute;
   using T = typename Tr::QType;
@@ -63,14 +67,24 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   char* smem = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
   char* sQ_bytes = smem + Tr::kSmemQ;
   char* sKv_bytes = smem + Tr::kSmemKv;
-  float* sRed = reinterpret_cast<float*>(smem + Tr::kSmemRed);
-  uint8_t* sValid = reinterpret_cast<uint8_t*>(smem + Tr::kSmemValid);
-  int* s_bad_page = reinterpret_cast<int*>(smem + Tr::kSmemFlags);
+  // The small per-row / per-token arrays are addressed from smem_raw so the
+  // compiler knows they are shared memory (LDS/STS, not generic accesses).
+  const int smem_pad = static_cast<int>(smem - smem_raw);
+  float* sRed = reinterpret_cast<float*>(smem_raw + smem_pad + Tr::kSmemRed);
+  uint8_t* sValid = reinterpret_cast<uint8_t*>(smem_raw + smem_pad + Tr::kSmemValid);
+  int* s_bad_page = reinterpret_cast<int*>(smem_raw + smem_pad + Tr::kSmemFlags);
+  // TMA path: "stage full" barriers, one arrival per warpgroup plus the
+  // bytes its copies bring (see issue_tile).
+  uint64_t* kv_full = reinterpret_cast<uint64_t*>(smem_raw + smem_pad + Tr::kSmemBarriers);
+  using FullBarrier = cutlass::arch::ClusterTransactionBarrier;
+  const bool use_tma = tma.enabled != 0;
 
   const int tid = threadIdx.x;
   const int wg = tid / 128, wg_tid = tid % 128;
   const int lane = tid % 32;
-  const int copy_row = tid / Tr::kThreadsPerRow, copy_lane = tid % Tr::kThreadsPerRow;
+  const int copy_lane = tid % Tr::kThreadsPerRow;
+  const int q_copy_row = tid / Tr::kThreadsPerRow;       // query rows: whole CTA
+  const int kv_copy_row = wg_tid / Tr::kThreadsPerRow;   // KV rows: per warpgroup
 
   // MMA operands. Q and P are A operands (K-major); K (rows = tokens of
   // this warpgroup's half) and V (this warpgroup's output columns) are B.
@@ -109,6 +123,21 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   const char* ckv = static_cast<const char*>(p.ckv);
   const char* kpe = static_cast<const char*>(p.kpe);
   const bool sparse = p.indices != nullptr;
+  if (tid == 0) {
+#pragma unroll
+    for (int st = 0; st < Tr::kStages; ++st) FullBarrier::init(&kv_full[st], Tr::kWarpgroups);
+    cutlass::arch::fence_barrier_init();
+  }
+  __syncthreads();
+  // Parity of the next completion of each stage's barrier (bit = stage);
+  // every thread waits for every TMA tile once, in order.
+  uint32_t full_phase = 0;
+  auto wait_tile = [&](int t) {
+    if (!use_tma) return;
+    const int st = t % Tr::kStages;
+    FullBarrier::wait(&kv_full[st], (full_phase >> st) & 1u);
+    full_phase ^= 1u << st;
+  };
 
   for (int item = item_begin; item < item_end; ++item) {
     const int b = ws.items[4 * item];
@@ -131,38 +160,96 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     __syncthreads();
 
     // Page and slot of each KV row this thread copies (see locate_token).
-    auto fetch_pages = [&](int tile, int (&page)[Tr::kKvPasses], int (&slot)[Tr::kKvPasses]) {
+    // Block-table (dense) or index (sparse) entries of the KV rows this
+    // thread copies, read one tile ahead of the copy that needs them. The
+    // loads are unconditional and independent so their latencies overlap;
+    // an entry past the request's end reads table[0] (the row has one: the
+    // item has tokens) and is discarded by row_of(). Both warpgroups look
+    // up the same rows (each copies its own features).
+    auto kv_token = [&](int tile, int ps) { return tile * kBlockN + ps * Tr::kKvRowsPerPass + kv_copy_row; };
+    auto fetch_pages = [&](int tile, int (&entry)[Tr::kKvPasses]) {
 #pragma unroll
       for (int ps = 0; ps < Tr::kKvPasses; ++ps) {
-        const TokenSource src =
-            locate_token(p, table, int64_t{tile} * kBlockN + ps * Tr::kRowsPerPass + copy_row, tok_end);
-        page[ps] = src.page;
-        slot[ps] = src.slot;
+        if (use_tma && ps > 0) break;  // one page per tile: thread 0's row says which
+        const int tok = kv_token(tile, ps);
+        int page, slot;
+        sm80::div_page(p, tok, page, slot);
+        const int at = tok < tok_end ? (sparse ? tok : page) : 0;
+        entry[ps] = table[at];
       }
     };
-    auto issue_tile = [&](int stage, const int (&page)[Tr::kKvPasses], const int (&slot)[Tr::kKvPasses]) {
+    // Cache row (page * page_size + slot) of a KV row, or -1: nothing to
+    // read (past the end, sparse padding, or a bad dense page id, which
+    // also flags the request). The host selects this kernel only when
+    // page_stride == page_size * token_stride (api.cu), so the row number
+    // times the token stride addresses it.
+    auto row_of = [&](int tile, int ps, int entry) -> int64_t {
+      const int tok = kv_token(tile, ps);
+      if (tok >= tok_end) return -1;
+      if (sparse) return (entry >= 0 && int64_t{entry} < int64_t{p.num_pages} * p.page_size) ? entry : -1;
+      if (entry < 0 || entry >= p.num_pages) {
+        *s_bad_page = 1;
+        return -1;
+      }
+      int page, slot;
+      sm80::div_page(p, tok, page, slot);
+      return int64_t{entry} * p.page_size + slot;
+    };
+
+    // This warpgroup's features of a KV tile into `stage` (see
+    // decode_traits.h): four 16-byte chunks of its 256 V columns per row and
+    // thread, and for warpgroup 1 a fifth one of the rope part. One code
+    // path for both warpgroups: two copies of it would not fit the
+    // registers left beside the accumulators.
+    const int wg_first_chunk = wg * (Tr::kOCols / 8);
+    auto issue_tile = [&](int tile, int stage, const int (&entry)[Tr::kKvPasses]) {
       char* dst_stage = sKv_bytes + stage * Tr::kTileBytes;
+      if (use_tma) {
+        // One thread per warpgroup: boxes of 64 rows x 64 features of this
+        // warpgroup's feature blocks (four of ckv; warpgroup 1 also kpe).
+        if (wg_tid == 0) {
+          const int64_t first = row_of(tile, 0, entry[0]);  // wg_tid 0 copies the tile's first row
+          uint64_t* bar = &kv_full[stage];
+          if (first < 0) {
+            FullBarrier::arrive(bar);  // bad page id: flagged by row_of, nothing to copy
+          } else {
+            constexpr uint32_t kBox = 64 * 64 * 2;
+            const int row = static_cast<int>(first);
+            const uint64_t hint = static_cast<uint64_t>(cute::TMA::CacheHintSm90::EVICT_NORMAL);
+            FullBarrier::arrive_and_expect_tx(bar, (wg == 0 ? 4 : 5) * kBox);
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+              const int blk = wg * 4 + j;
+              cute::SM90_TMA_LOAD_2D::copy(&tma.ckv, bar, hint, dst_stage + blk * 8192, blk * 64, row);
+            }
+            if (wg == 1) cute::SM90_TMA_LOAD_2D::copy(&tma.kpe, bar, hint, dst_stage + 8 * 8192, 0, row);
+          }
+        }
+        return;
+      }
 #pragma unroll
       for (int ps = 0; ps < Tr::kKvPasses; ++ps) {
-        const int r = ps * Tr::kRowsPerPass + copy_row;
-        const bool live = page[ps] >= 0;
-        if (page[ps] == -2) *s_bad_page = 1;
-        if (copy_lane == 0) sValid[stage * kBlockN + r] = live;
-        const int64_t sl = live ? slot[ps] : 0;
-        const int64_t pg = live ? page[ps] : 0;
-        const char* ckv_row = ckv + (pg * p.ckv_page_stride + sl * p.ckv_token_stride) * 2;
-        const char* kpe_row = kpe + (pg * p.kpe_page_stride + sl * p.kpe_token_stride) * 2;
+        const int r = ps * Tr::kKvRowsPerPass + kv_copy_row;
+        const int64_t cache_row = row_of(tile, ps, entry[ps]);
+        const bool live = cache_row >= 0;
+        if (wg == 0 && copy_lane == 0) sValid[stage * kBlockN + r] = live;
+        const int64_t row = live ? cache_row : 0;
+        const char* ckv_src = ckv + (row * p.ckv_token_stride + (wg_first_chunk + copy_lane) * 8) * 2;
 #pragma unroll
-        for (int j = 0; j < Tr::kChunksPerThread; ++j) {
-          const int c = copy_lane + j * Tr::kThreadsPerRow;
-          const char* src = c < Tr::kNopeChunks ? ckv_row + c * 16 : kpe_row + (c - Tr::kNopeChunks) * 16;
-          cp_async_16(dst_stage + qk_chunk_offset(r, c), src, live);
+        for (int j = 0; j < Tr::kKvChunksWg0; ++j) {
+          const int c = wg_first_chunk + copy_lane + j * Tr::kThreadsPerRow;
+          cp_async_16(dst_stage + qk_chunk_offset(r, c), ckv_src + j * Tr::kThreadsPerRow * 16, live);
+        }
+        if (wg == 1) {
+          const char* kpe_src = kpe + (row * p.kpe_token_stride + copy_lane * 8) * 2;
+          cp_async_16(dst_stage + qk_chunk_offset(r, Tr::kNopeChunks + copy_lane), kpe_src, live);
         }
       }
     };
+    static_assert(Tr::kKvChunksWg1 == Tr::kKvChunksWg0 + 1, "warpgroup 1 copies one rope chunk more");
 
     // Query rows of this row block (zero past the request's rows).
-    for (int r = copy_row; r < kBlockM; r += Tr::kRowsPerPass) {
+    for (int r = q_copy_row; r < kBlockM; r += Tr::kRowsPerPass) {
       const bool live = m0 + r < rows;
       const int64_t grow = int64_t{b} * rows + (live ? m0 + r : 0);
       const char* qn = q_nope + grow * p.q_nope_row_stride * 2;
@@ -181,7 +268,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     for (int rr = 0; rr < 2; ++rr) {
       const int row = m0 + row_base + 8 * rr;
       const int qi = row < rows ? row / p.num_heads : 0;
-      limit[rr] = row < rows ? static_cast<int>(visible_len(seq_len, p.q_len, qi, p.causal)) : 0;
+      // Tokens at or past tok_end belong to the next split or do not exist.
+      limit[rr] = row < rows ? static_cast<int>(min(visible_len(seq_len, p.q_len, qi, p.causal), tok_end)) : 0;
     }
 
     clear(tOrO);
@@ -209,22 +297,23 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     };
 
     // Prologue: query + tile 0, then tile 1, in flight; S of tile 0.
-    int pages[Tr::kKvPasses], slots[Tr::kKvPasses];
+    int entries[Tr::kKvPasses];
     if (num_tiles > 0) {
-      fetch_pages(tile_begin, pages, slots);
-      issue_tile(0, pages, slots);
+      fetch_pages(tile_begin, entries);
+      issue_tile(tile_begin, 0, entries);
     }
     cute::cp_async_fence();
     if (num_tiles > 1) {
-      fetch_pages(tile_begin + 1, pages, slots);
-      issue_tile(1, pages, slots);
+      fetch_pages(tile_begin + 1, entries);
+      issue_tile(tile_begin + 1, 1, entries);
     }
     cute::cp_async_fence();
-    if (num_tiles > 2) fetch_pages(tile_begin + 2, pages, slots);
+    if (num_tiles > 2) fetch_pages(tile_begin + 2, entries);
     cute::cp_async_wait<1>();
     fence_smem_for_wgmma();
     __syncthreads();  // query and tile 0 landed
     if (num_tiles > 0) {
+      wait_tile(0);
       clear(tSrS);
       issue_s(0);
       warpgroup_commit_batch();
@@ -246,14 +335,29 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       const int tok0 = (tile_begin + t) * kBlockN + wg * Tr::kSCols;
       const uint8_t* valid = sValid + stage * kBlockN + wg * Tr::kSCols;
       float tile_max[2] = {-INFINITY, -INFINITY};
+      // Dense caches only lose tokens at the request's end (split ends are
+      // tile boundaries) and past a row's causal limit; a bad page id
+      // turns the whole output to NaN anyway. So a tile inside all of
+      // these needs no per-token mask.
+      const bool unmasked = !sparse && tok0 + Tr::kSCols <= min(limit[0], limit[1]);
+      if (unmasked) {
 #pragma unroll
-      for (int i = 0; i < size(tSrS); ++i) {
-        const int col = get<1>(tScS(i));
-        const int rr = half_of(i);
-        const bool visible = tok0 + col < limit[rr] && valid[col];
-        const float s = visible ? tSrS(i) * scale_log2 : -INFINITY;
-        tSrS(i) = s;
-        tile_max[rr] = fmaxf(tile_max[rr], s);
+        for (int i = 0; i < size(tSrS); ++i) {
+          const float s = tSrS(i) * scale_log2;
+          tSrS(i) = s;
+          tile_max[half_of(i)] = fmaxf(tile_max[half_of(i)], s);
+        }
+      } else {
+#pragma unroll
+        for (int i = 0; i < size(tSrS); ++i) {
+          const int col = get<1>(tScS(i));
+          const int rr = half_of(i);
+          // Dense: the limit says it all (sValid is not written on the TMA path).
+          const bool visible = tok0 + col < limit[rr] && (!sparse || valid[col]);
+          const float s = visible ? tSrS(i) * scale_log2 : -INFINITY;
+          tSrS(i) = s;
+          tile_max[rr] = fmaxf(tile_max[rr], s);
+        }
       }
 #pragma unroll
       for (int rr = 0; rr < 2; ++rr) {
@@ -274,19 +378,28 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         row_max[rr] = m;
         row_sum[rr] *= correction[rr];
       }
+      // Elements 2k, 2k + 1 are adjacent columns: one 4-byte store per pair
+      // (the swizzle moves 16-byte chunks, so a pair stays together).
 #pragma unroll
-      for (int i = 0; i < size(tSrS); ++i) {
+      for (int i = 0; i < size(tSrS); i += 2) {
         const int row = get<0>(tScS(i)), col = get<1>(tScS(i));
         const int rr = half_of(i);
-        const float e = exp2f(tSrS(i) - m_use[rr]);
-        row_sum[rr] += e;
-        sP(row, wg * Tr::kSCols + col) = static_cast<Elem>(e);
+        const float e0 = exp2f(tSrS(i) - m_use[rr]);
+        const float e1 = exp2f(tSrS(i + 1) - m_use[rr]);
+        row_sum[rr] += e0 + e1;
+        *reinterpret_cast<uint32_t*>(&sP(row, wg * Tr::kSCols + col)) = pack2<T>(e0, e1);
       }
+      // Once the running maxima settle, most tiles change none of a warp's
+      // rows: skip the 128 multiplies then (the accumulator rows are the
+      // warp's own, so the vote is per warp).
+      if (__any_sync(0xffffffffu, correction[0] != 1.f || correction[1] != 1.f)) {
 #pragma unroll
-      for (int i = 0; i < size(tOrO); ++i) tOrO(i) *= correction[half_of(i)];
+        for (int i = 0; i < size(tOrO); ++i) tOrO(i) *= correction[half_of(i)];
+      }
       if constexpr (kHasNext) clear(tSrS);  // S(t+1) accumulates from zero
       cute::cp_async_wait<0>();  // tile t+1 (the only group in flight)
       fence_smem_for_wgmma();
+      if constexpr (kHasNext) wait_tile(t + 1);
       __syncthreads();  // P(t) complete, tile t+1 visible; sRed free again
 
       // O += P V over this warpgroup's 256 output columns, then S(t+1).
@@ -297,16 +410,20 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       if constexpr (kHasNext) {
         issue_s(t + 1);
         warpgroup_commit_batch();
-        warpgroup_wait<1>();  // PV(t) done
+        warpgroup_wait<1>();  // this warpgroup's PV(t) done
       } else {
         warpgroup_wait<0>();
       }
       warpgroup_fence_operand(tOrO);
       if constexpr (kHasNext) {
-        __syncthreads();  // both warpgroups are done with tile t's stage and with P(t)
-        if (t + 2 < num_tiles) issue_tile(stage, pages, slots);
+        // The features of tile t's stage that this warpgroup refills were
+        // read only by its own PV(t) (done) and by S(t) of both warpgroups
+        // (done before softmax(t)); P(t) is not rewritten before the next
+        // step's first barrier. So no barrier here: the copies start while
+        // the tensor cores still run S(t+1) and the other warpgroup's PV(t).
+        if (t + 2 < num_tiles) issue_tile(tile_begin + t + 2, stage, entries);
         cute::cp_async_fence();
-        if (t + 3 < num_tiles) fetch_pages(tile_begin + t + 3, pages, slots);
+        if (t + 3 < num_tiles) fetch_pages(tile_begin + t + 3, entries);
         warpgroup_wait<0>();  // S(t+1) done
         warpgroup_fence_operand(tSrS);
       }
@@ -373,13 +490,15 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 
 template <typename Tr>
 cudaError_t launch_decode(const PagedDecodeParams& p, const DecodeWorkspace& ws, cudaStream_t stream) {
+  KvTma tma;
+  make_kv_tma(p, &tma);
   auto kernel = decode_kernel<Tr>;
   // Per call, not cached: the attribute belongs to the current device.
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemAlloc);
   if (err != cudaSuccess) return err;
   const int rows = p.rows_per_request();
   dim3 grid((rows + Tr::kBlockM - 1) / Tr::kBlockM, ws.num_parts);
-  kernel<<<grid, Tr::kThreads, Tr::kSmemAlloc, stream>>>(p, ws);
+  kernel<<<grid, Tr::kThreads, Tr::kSmemAlloc, stream>>>(p, ws, tma);
   return cudaGetLastError();
 }
 

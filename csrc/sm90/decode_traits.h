@@ -71,18 +71,29 @@ struct DecodeTraits {
   static constexpr int kSmemRed = kSmemP + kBlockM * kBlockN * 2;      // [warpgroup][row] floats
   static constexpr int kSmemValid = kSmemRed + kWarpgroups * kBlockM * 4;  // [stage][token] flags
   static constexpr int kSmemFlags = kSmemValid + kStages * kBlockN;      // bad-page flag
-  static constexpr int kSmemBytes = kSmemFlags + 16;
+  static constexpr int kSmemBarriers = kSmemFlags + 16;                 // [stage] mbarriers
+  static constexpr int kSmemBytes = kSmemBarriers + kStages * 8;
+  static_assert(kSmemBarriers % 8 == 0);
   static constexpr int kSmemAlloc = kSmemBytes + 1024;  // room to align the base
   static_assert(kSmemAlloc <= 227 * 1024, "exceeds the sm_90 shared memory per block");
 
-  // Global->shared copies: 8 threads per row, 16 bytes each, 32 rows a pass.
+  // Global->shared copies, 8 threads per row with 16 bytes each. The query
+  // is copied by the whole CTA (32 rows a pass). A KV tile is copied by
+  // each warpgroup separately, 16 rows a pass: warpgroup w fetches the
+  // features its own P V reads (w = 0: [0, 256); w = 1: [256, 512) and the
+  // rope part, which only S reads), so it can refill a stage as soon as
+  // its own P V is done, without waiting for the other warpgroup.
   static constexpr int kThreadsPerRow = 8;
   static constexpr int kRowsPerPass = kThreads / kThreadsPerRow;
-  static constexpr int kKvPasses = kBlockN / kRowsPerPass;
   static constexpr int kChunks = kDimQK / 8;     // 16-byte chunks per row
   static constexpr int kNopeChunks = kDimNope / 8;
   static constexpr int kChunksPerThread = kChunks / kThreadsPerRow;
-  static_assert(kChunks % kThreadsPerRow == 0 && kBlockN % kRowsPerPass == 0);
+  static constexpr int kKvRowsPerPass = 128 / kThreadsPerRow;
+  static constexpr int kKvPasses = kBlockN / kKvRowsPerPass;
+  static constexpr int kKvChunksWg0 = kOCols / 8 / kThreadsPerRow;                // per thread
+  static constexpr int kKvChunksWg1 = (kChunks - kOCols / 8) / kThreadsPerRow;  // per thread
+  static_assert(kChunks % kThreadsPerRow == 0 && kBlockN % kKvRowsPerPass == 0);
+  static_assert(kWarpgroups == 2 && (kOCols / 8) % kThreadsPerRow == 0);
 };
 
 }  // namespace sm90

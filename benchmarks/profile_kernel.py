@@ -1,0 +1,51 @@
+"""Runs one paged-decode configuration a few times, for a profiler to attach to.
+
+  ncu --clock-control none --kernel-name regex:decode_kernel --launch-skip 3 \
+      --launch-count 1 --set full -o prof python3 benchmarks/profile_kernel.py --b 128 --h 128
+
+Random bf16 data generated on the device, page_size 64, contiguous pages.
+Prints the median wall time of the jitted call (synchronised; launch overhead
+included: use bench_paged_decode.py for the reported figures).
+"""
+import argparse
+import time
+
+import numpy as np
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--b", type=int, default=128, help="requests")
+  p.add_argument("--h", type=int, default=128, help="query heads")
+  p.add_argument("--q-len", type=int, default=1)
+  p.add_argument("--seq", type=int, default=4096, help="tokens per request")
+  p.add_argument("--page-size", type=int, default=64)
+  p.add_argument("--calls", type=int, default=6)
+  a = p.parse_args(argv)
+
+  import jax
+  import jax.numpy as jnp
+  import mla_jax
+
+  pages_per_seq = -(-a.seq // a.page_size)
+  num_pages = a.b * pages_per_seq
+  k1, k2 = jax.random.split(jax.random.key(0))
+  shape_q = (a.b, a.q_len, a.h, 576) if a.q_len > 1 else (a.b, a.h, 576)
+  query = jax.random.normal(k1, shape_q, jnp.bfloat16)
+  cache = jax.random.normal(k2, (num_pages, a.page_size, 576), jnp.bfloat16)
+  block_table = jnp.asarray(np.arange(num_pages, dtype=np.int32).reshape(a.b, pages_per_seq))
+  seq_lens = jnp.full((a.b,), a.seq, jnp.int32)
+  plan = mla_jax.DecodePlan(num_heads=a.h, page_size=a.page_size, sm_scale=576 ** -0.5,
+                            q_len=a.q_len, causal=a.q_len > 1)
+  fn = jax.jit(lambda q, c, bt, sl: mla_jax.paged_decode(q, c, bt, sl, plan=plan))
+  times = []
+  for _ in range(a.calls):
+    t0 = time.perf_counter()
+    fn(query, cache, block_table, seq_lens).block_until_ready()
+    times.append(time.perf_counter() - t0)
+  print(f"b={a.b} h={a.h} q_len={a.q_len} seq={a.seq}: median {np.median(times[1:]) * 1e6:.1f} us "
+        f"over {a.calls - 1} calls (wall, synchronised)")
+
+
+if __name__ == "__main__":
+  main()

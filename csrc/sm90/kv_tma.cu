@@ -1,0 +1,59 @@
+// Host side of csrc/sm90/kv_tma.h: encodes the cache's tensor maps through
+// the driver entry point that the CUDA runtime hands out (no link-time
+// dependency on libcuda).
+#include "csrc/sm90/kv_tma.h"
+
+#include <cuda_runtime.h>
+#include <cudaTypedefs.h>
+
+#include <cstdint>
+
+namespace mla_jax {
+namespace sm90 {
+namespace {
+
+PFN_cuTensorMapEncodeTiled_v12000 encode_fn() {
+  static PFN_cuTensorMapEncodeTiled_v12000 fn = []() -> PFN_cuTensorMapEncodeTiled_v12000 {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult status{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &status) !=
+            cudaSuccess ||
+        status != cudaDriverEntryPointSuccess)
+      return nullptr;
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f);
+  }();
+  return fn;
+}
+
+// A [rows, cols] 16-bit matrix with `row_stride` elements between rows, read
+// in 64 x 64 boxes that land in the 128-byte-swizzled K-major layout the
+// wgmma operands use (decode_traits.h LayoutQK: row r of a 64-column block
+// at r * 128 bytes, 16-byte chunks XORed with r % 8).
+bool encode(CUtensorMap* map, const void* base, int64_t rows, int64_t cols, int64_t row_stride) {
+  auto fn = encode_fn();
+  if (fn == nullptr) return false;
+  if (reinterpret_cast<uintptr_t>(base) % 16 != 0 || (row_stride * 2) % 16 != 0) return false;
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(row_stride * 2)};
+  const cuuint32_t box[2] = {64, 64};
+  const cuuint32_t elem_strides[2] = {1, 1};
+  return fn(map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 2, const_cast<void*>(base), dims, strides, box, elem_strides,
+            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+}  // namespace
+
+void make_kv_tma(const PagedDecodeParams& p, KvTma* tma) {
+  tma->enabled = 0;
+  if (p.indices != nullptr || p.page_size % 64 != 0) return;
+  const int64_t rows = int64_t{p.num_pages} * p.page_size;
+  // Row coordinates are int32 in the copy instruction.
+  if (rows <= 0 || rows > INT32_MAX) return;
+  if (!encode(&tma->ckv, p.ckv, rows, 512, p.ckv_token_stride)) return;
+  if (!encode(&tma->kpe, p.kpe, rows, 64, p.kpe_token_stride)) return;
+  tma->enabled = 1;
+}
+
+}  // namespace sm90
+}  // namespace mla_jax
