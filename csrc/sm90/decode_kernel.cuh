@@ -45,6 +45,14 @@ __device__ __forceinline__ void fence_smem_for_wgmma() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
+// 2^x in one MUFU.EX2 (flush-to-zero; 2^-inf = 0). exp2f adds range
+// fix-ups around it that cost three more instructions per element.
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // Byte offset of 16-byte chunk `chunk` (8 elements) of row `row` in a
 // LayoutQK tile: 8-row x 128-byte atoms, row atoms first, then 64-column
 // blocks of 8 KB; inside an atom the chunk index is XORed with row % 8
@@ -72,6 +80,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   const int smem_pad = static_cast<int>(smem - smem_raw);
   float* sRed = reinterpret_cast<float*>(smem_raw + smem_pad + Tr::kSmemRed);
   uint8_t* sValid = reinterpret_cast<uint8_t*>(smem_raw + smem_pad + Tr::kSmemValid);
+  char* sP_shared = smem_raw + smem_pad + Tr::kSmemP;
   int* s_bad_page = reinterpret_cast<int*>(smem_raw + smem_pad + Tr::kSmemFlags);
   // TMA path: "stage full" barriers, one arrival per warpgroup plus the
   // bytes its copies bring (see issue_tile).
@@ -374,7 +383,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         const int row = row_base + 8 * rr;
         const float m = fmaxf(row_max[rr], fmaxf(sRed[row], sRed[kBlockM + row]));
         m_use[rr] = m == -INFINITY ? 0.f : m;  // fully masked so far: avoid inf - inf
-        correction[rr] = exp2f(row_max[rr] - m_use[rr]);
+        correction[rr] = fast_exp2(row_max[rr] - m_use[rr]);
         row_max[rr] = m;
         row_sum[rr] *= correction[rr];
       }
@@ -384,10 +393,13 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       for (int i = 0; i < size(tSrS); i += 2) {
         const int row = get<0>(tScS(i)), col = get<1>(tScS(i));
         const int rr = half_of(i);
-        const float e0 = exp2f(tSrS(i) - m_use[rr]);
-        const float e1 = exp2f(tSrS(i + 1) - m_use[rr]);
+        const float e0 = fast_exp2(tSrS(i) - m_use[rr]);
+        const float e1 = fast_exp2(tSrS(i + 1) - m_use[rr]);
         row_sum[rr] += e0 + e1;
-        *reinterpret_cast<uint32_t*>(&sP(row, wg * Tr::kSCols + col)) = pack2<T>(e0, e1);
+        // &sP(row, c) (LayoutP is LayoutQK's first 64 columns; layout_check.cu),
+        // addressed from smem_raw so the store is an STS.
+        const int c = wg * Tr::kSCols + col;
+        *reinterpret_cast<uint32_t*>(sP_shared + qk_chunk_offset(row, c >> 3) + (c & 7) * 2) = pack2<T>(e0, e1);
       }
       // Once the running maxima settle, most tiles change none of a warp's
       // rows: skip the 128 multiplies then (the accumulator rows are the

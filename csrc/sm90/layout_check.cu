@@ -1,7 +1,8 @@
 // Host-side check of the layout facts the Hopper kernel relies on (it
 // needs no GPU; tests/test_sm90_layout.py builds and runs it with nvcc):
 //   - qk_chunk_offset() is where CuTe's LayoutQK puts each 16-byte chunk
-//     (the cp.async copies write there, wgmma reads through CuTe);
+//     (the cp.async copies write there, wgmma reads through CuTe), and
+//     where LayoutP puts P's (the softmax stores P there);
 //   - each warpgroup's MN-major V view addresses the same bytes as the
 //     K-major KV tile, and local_tile's token half is the tile's rows;
 //   - the wgmma accumulator layouts: thread t's element i lies in row
@@ -34,6 +35,15 @@ int check_traits(const char* name) {
       const int w = r / Tr::kSCols;
       auto half = local_tile(sK, Shape<Int<Tr::kSCols>, Int<Tr::kDimQK>>{}, make_coord(w, 0));
       if (&half(r % Tr::kSCols, c) != &sK(r, c) && bad++ < 5) std::printf("%s: K half mismatch at (%d, %d)\n", name, r, c);
+    }
+  }
+  // P: the kernel stores it at qk_chunk_offset(row, col / 8) + (col % 8) * 2.
+  auto sP = make_tensor(make_smem_ptr(buf), typename Tr::LayoutP{});
+  for (int r = 0; r < Tr::kBlockM; ++r) {
+    for (int c = 0; c < Tr::kBlockN; ++c) {
+      const long at = reinterpret_cast<const char*>(&sP(r, c)) - base;
+      const long want = mla_jax::sm90::qk_chunk_offset(r, c / 8) + (c % 8) * 2;
+      if (at != want && bad++ < 5) std::printf("%s: P(%d, %d) at %ld, expected %ld\n", name, r, c, at, want);
     }
   }
   auto check_acc = [&](auto mma, auto shape, const char* which) {
