@@ -141,16 +141,21 @@ def test_deterministic_and_matches_cpu_backend():
     np.testing.assert_array_equal(r, runs[0])
 
 
-@pytest.fixture(params=["default", "portable"])
+@pytest.fixture(params=["default", "lockstep", "portable"])
 def kernel_choice(request, monkeypatch):
-  """Runs a test with the default kernel choice (the wgmma kernel for 64-row
-  blocks on sm_90) and with MLA_JAX_PORTABLE_KERNEL=1 (the mma.sync kernel).
-  The handler reads the variable on every call; clearing JAX's caches keeps a
-  command buffer recorded under the other setting from being replayed."""
+  """Runs a test with each kernel that can serve 64-row blocks on sm_90: the
+  default (the seesaw wgmma kernel where the cache loads with TMA, i.e.
+  page_size a multiple of 64, else the lock-step wgmma kernel),
+  MLA_JAX_SM90_LOCKSTEP=1 (the lock-step kernel everywhere, TMA or cp.async
+  loads) and MLA_JAX_PORTABLE_KERNEL=1 (the mma.sync kernel). The handler
+  reads the variables on every call; clearing JAX's caches keeps a command
+  buffer recorded under another setting from being replayed."""
+  monkeypatch.delenv("MLA_JAX_PORTABLE_KERNEL", raising=False)
+  monkeypatch.delenv("MLA_JAX_SM90_LOCKSTEP", raising=False)
   if request.param == "portable":
     monkeypatch.setenv("MLA_JAX_PORTABLE_KERNEL", "1")
-  else:
-    monkeypatch.delenv("MLA_JAX_PORTABLE_KERNEL", raising=False)
+  elif request.param == "lockstep":
+    monkeypatch.setenv("MLA_JAX_SM90_LOCKSTEP", "1")
   jax.clear_caches()
   yield request.param
   jax.clear_caches()

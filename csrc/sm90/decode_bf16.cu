@@ -1,5 +1,5 @@
 // Instantiation: bf16 query and bf16 cache on sm_90a.
-#include "csrc/sm90/decode_kernel.cuh"
+#include "csrc/sm90/decode_launch.cuh"
 
 namespace mla_jax {
 namespace sm90 {

@@ -1,5 +1,5 @@
 // Instantiation: fp16 query and fp16 cache on sm_90a.
-#include "csrc/sm90/decode_kernel.cuh"
+#include "csrc/sm90/decode_launch.cuh"
 
 namespace mla_jax {
 namespace sm90 {

@@ -500,19 +500,5 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 #endif  // sm_90a
 }
 
-template <typename Tr>
-cudaError_t launch_decode(const PagedDecodeParams& p, const DecodeWorkspace& ws, cudaStream_t stream) {
-  KvTma tma;
-  make_kv_tma(p, &tma);
-  auto kernel = decode_kernel<Tr>;
-  // Per call, not cached: the attribute belongs to the current device.
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemAlloc);
-  if (err != cudaSuccess) return err;
-  const int rows = p.rows_per_request();
-  dim3 grid((rows + Tr::kBlockM - 1) / Tr::kBlockM, ws.num_parts);
-  kernel<<<grid, Tr::kThreads, Tr::kSmemAlloc, stream>>>(p, ws, tma);
-  return cudaGetLastError();
-}
-
 }  // namespace sm90
 }  // namespace mla_jax

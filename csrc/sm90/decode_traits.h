@@ -57,6 +57,10 @@ struct DecodeTraits {
   using MmaS = decltype(cute::SM90::GMMA::ss_op_selector<
                         Elem, Elem, float, cute::Shape<cute::_64, cute::Int<kSCols>, cute::Int<kDimQK>>,
                         cute::GMMA::Major::K, cute::GMMA::Major::K>());
+  // Seesaw kernel (decode_seesaw.cuh): a warpgroup computes S over a whole tile.
+  using MmaSTile = decltype(cute::SM90::GMMA::ss_op_selector<
+                            Elem, Elem, float, cute::Shape<cute::_64, cute::Int<kBlockN>, cute::Int<kDimQK>>,
+                            cute::GMMA::Major::K, cute::GMMA::Major::K>());
   using MmaO = decltype(cute::SM90::GMMA::ss_op_selector<
                         Elem, Elem, float, cute::Shape<cute::_64, cute::Int<kOCols>, cute::Int<kBlockN>>,
                         cute::GMMA::Major::K, cute::GMMA::Major::MN>());

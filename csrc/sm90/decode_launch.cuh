@@ -1,0 +1,33 @@
+// Launch of the Hopper decode: the seesaw kernel when the cache can be
+// loaded with TMA (csrc/sm90/kv_tma.h), the lock-step kernel otherwise.
+// Included by the per-dtype instantiation files decode_*.cu.
+#pragma once
+
+#include <cstdlib>
+
+#include "csrc/sm90/decode_kernel.cuh"
+#include "csrc/sm90/decode_seesaw.cuh"
+
+namespace mla_jax {
+namespace sm90 {
+
+template <typename Tr>
+cudaError_t launch_decode(const PagedDecodeParams& p, const DecodeWorkspace& ws, cudaStream_t stream) {
+  KvTma tma;
+  make_kv_tma(p, &tma);
+  // MLA_JAX_SM90_LOCKSTEP=1 keeps the lock-step kernel on TMA-loadable
+  // caches too (A/B benchmarks, tests of that kernel's TMA path).
+  const char* lockstep = std::getenv("MLA_JAX_SM90_LOCKSTEP");
+  const bool seesaw = tma.enabled && !(lockstep != nullptr && lockstep[0] != '\0' && lockstep[0] != '0');
+  auto kernel = seesaw ? decode_seesaw_kernel<Tr> : decode_kernel<Tr>;
+  // Per call, not cached: the attribute belongs to the current device.
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemAlloc);
+  if (err != cudaSuccess) return err;
+  const int rows = p.rows_per_request();
+  dim3 grid((rows + Tr::kBlockM - 1) / Tr::kBlockM, ws.num_parts);
+  kernel<<<grid, Tr::kThreads, Tr::kSmemAlloc, stream>>>(p, ws, tma);
+  return cudaGetLastError();
+}
+
+}  // namespace sm90
+}  // namespace mla_jax
