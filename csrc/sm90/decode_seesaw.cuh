@@ -87,18 +87,22 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   const char* q_nope = static_cast<const char*>(p.q_nope);
   const char* q_pe = static_cast<const char*>(p.q_pe);
 
+  // One barrier per 64-feature block of each stage (one arrival: the
+  // issuing thread, plus the box's bytes), so S can start on the first
+  // block of a tile while the others are still arriving: with every SM
+  // streaming, a whole 72 KB tile takes microseconds to land.
   if (tid == 0) {
 #pragma unroll
-    for (int st = 0; st < Tr::kStages; ++st) FullBarrier::init(&kv_full[st], Tr::kWarpgroups);
+    for (int i = 0; i < Tr::kStages * Tr::kKvBlocks; ++i) FullBarrier::init(&kv_full[i], 1);
     cutlass::arch::fence_barrier_init();
   }
   __syncthreads();
   uint32_t full_phase = 0;  // parity of each stage's next completion (bit = stage)
-  auto wait_tile = [&](int t) {
+  auto wait_block = [&](int t, int blk) {
     const int st = t % Tr::kStages;
-    FullBarrier::wait(&kv_full[st], (full_phase >> st) & 1u);
-    full_phase ^= 1u << st;
+    FullBarrier::wait(&kv_full[st * Tr::kKvBlocks + blk], (full_phase >> st) & 1u);
   };
+  auto tile_consumed = [&](int t) { full_phase ^= 1u << (t % Tr::kStages); };
   // (exp2 correction factor, max to subtract) for a running max moving from
   // m_old to m_new; a row with nothing visible yet keeps m = -inf.
   auto correction = [](float m_old, float m_new) { return m_new == -INFINITY ? 1.f : fast_exp2(m_old - m_new); };
@@ -140,12 +144,13 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     // ckv features [0, 256); warpgroup 1: [256, 512) and the rope block).
     auto issue_tile = [&](int tile, int entry) {
       if (wg_tid != 0) return;
-      uint64_t* bar = &kv_full[tile % Tr::kStages];
+      uint64_t* bar = &kv_full[(tile % Tr::kStages) * Tr::kKvBlocks];
       char* dst = sKv_bytes + (tile % Tr::kStages) * Tr::kTileBytes;
       const int tok = (tile_begin + tile) * kBlockN;
+      const int first = wg * 4, count = wg == 0 ? 4 : 5;  // blocks of this warpgroup (8: kpe)
       if (entry < 0 || entry >= p.num_pages) {
         *s_bad_page = 1;  // the request's output becomes NaN
-        FullBarrier::arrive(bar);
+        for (int j = 0; j < count; ++j) FullBarrier::arrive(&bar[first + j]);
         return;
       }
       int page, slot;
@@ -153,13 +158,16 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       const int row = entry * p.page_size + slot;
       constexpr uint32_t kBox = 64 * 64 * 2;
       const uint64_t hint = static_cast<uint64_t>(cute::TMA::CacheHintSm90::EVICT_NORMAL);
-      FullBarrier::arrive_and_expect_tx(bar, (wg == 0 ? 4 : 5) * kBox);
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        const int blk = wg * 4 + j;
-        cute::SM90_TMA_LOAD_2D::copy(&tma.ckv, bar, hint, dst + blk * 8192, blk * 64, row);
+        const int blk = first + j;
+        FullBarrier::arrive_and_expect_tx(&bar[blk], kBox);
+        cute::SM90_TMA_LOAD_2D::copy(&tma.ckv, &bar[blk], hint, dst + blk * 8192, blk * 64, row);
       }
-      if (wg == 1) cute::SM90_TMA_LOAD_2D::copy(&tma.kpe, bar, hint, dst + kRopeBlock, 0, row);
+      if (wg == 1) {
+        FullBarrier::arrive_and_expect_tx(&bar[8], kBox);
+        cute::SM90_TMA_LOAD_2D::copy(&tma.kpe, &bar[8], hint, dst + kRopeBlock, 0, row);
+      }
     };
     // Tiles are refilled in order by each warpgroup; the entry of the next
     // one is read one refill ahead.
@@ -196,21 +204,26 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     float l_own[2] = {0.f, 0.f};  // sum of this warpgroup's P (its own tiles), relative to m_run
 
     auto stage_ptr = [&](int t) { return sKv_bytes + (t % Tr::kStages) * Tr::kTileBytes; };
-    auto issue_s = [&](int t) {  // S = Q K(t)^T over the whole tile (async)
+    auto issue_s = [&](int t) {  // S = Q K(t)^T over the whole tile (async), block by block as it lands
       Tensor sK = make_tensor(make_smem_ptr(reinterpret_cast<Elem*>(stage_ptr(t))), typename Tr::LayoutQK{});
       Tensor tSrK = thr_s.partition_fragment_B(sK);
       warpgroup_fence_operand(tSrS);
-      warpgroup_arrive();
       // The first k-step overwrites the accumulator (no clear: writing it
       // with ordinary instructions while other wgmmas are in flight makes
       // ptxas serialise them all).
       mma_s.accumulate_ = GMMA::ScaleOut::Zero;
+      static_assert(decltype(size<2>(tSrQ))::value == 4 * Tr::kKvBlocks, "4 k-steps per 64-feature block");
 #pragma unroll
       for (int kb = 0; kb < size<2>(tSrQ); ++kb) {
+        if (kb % 4 == 0) {
+          wait_block(t, kb / 4);
+          warpgroup_arrive();  // explicit, after the wait: one ptxas would insert there serialises
+        }
         gemm(mma_s, tSrQ(_, _, kb), tSrK(_, _, kb), tSrS);
         mma_s.accumulate_ = GMMA::ScaleOut::One;
       }
       warpgroup_commit_batch();
+      tile_consumed(t);
     };
     auto issue_pv = [&](int t) {  // O half += P(t) V(t) half (async)
       char* st = stage_ptr(t);
@@ -290,7 +303,6 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     fence_smem_for_wgmma();
     __syncthreads();  // the query landed
     if (wg == 0 && num_tiles > 0) {
-      wait_tile(0);
       issue_s(0);
       warpgroup_wait<0>();
     }
@@ -351,7 +363,6 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
           issue_pv(tb);
         }
         if constexpr (kNext) {
-          wait_tile(ta + 2);
           issue_s(ta + 2);
         }
       } else {
@@ -362,7 +373,6 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
           refill(tb);
         }
         if constexpr (kHasB) {
-          wait_tile(tb);
           issue_s(tb);
         }
         NamedBarrier::sync(256, kBarA);

@@ -75,8 +75,9 @@ struct DecodeTraits {
   static constexpr int kSmemRed = kSmemP + kBlockM * kBlockN * 2;      // [warpgroup][row] floats
   static constexpr int kSmemValid = kSmemRed + kWarpgroups * kBlockM * 4;  // [stage][token] flags
   static constexpr int kSmemFlags = kSmemValid + kStages * kBlockN;      // bad-page flag
-  static constexpr int kSmemBarriers = kSmemFlags + 16;                 // [stage] mbarriers
-  static constexpr int kSmemBytes = kSmemBarriers + kStages * 8;
+  static constexpr int kKvBlocks = kDimQK / 64;                          // 64-feature blocks per KV row
+  static constexpr int kSmemBarriers = kSmemFlags + 16;                 // [stage][block] mbarriers
+  static constexpr int kSmemBytes = kSmemBarriers + kStages * kKvBlocks * 8;
   static_assert(kSmemBarriers % 8 == 0);
   static constexpr int kSmemAlloc = kSmemBytes + 1024;  // room to align the base
   static_assert(kSmemAlloc <= 227 * 1024, "exceeds the sm_90 shared memory per block");
