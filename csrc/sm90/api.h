@@ -1,7 +1,9 @@
 // Host entry points of the Hopper (sm_90a) decode kernel.
 //
 // It replaces the portable kernel's 64-row configuration (q_len x heads
-// > 32: H = 64, 96, 128 and MTP) for bf16/fp16 caches on sm_90 devices.
+// > 32: H = 64, 96, 128 and MTP) for bf16/fp16 caches on sm_90 devices,
+// with two schedules (decode_launch.cuh): seesaw for TMA-loadable caches,
+// lock-step otherwise.
 // The scheduler, the scratch layout and the combine kernel are the
 // portable path's (csrc/sm80): only the per-partition decode differs.
 #pragma once

@@ -1,12 +1,14 @@
-// Kernel body of the Hopper (sm_90a) split-KV paged MLA decode: wgmma
-// through CuTe with both operands in shared memory. Included by the
-// per-dtype instantiation files decode_*.cu.
+// Kernel body of the Hopper (sm_90a) split-KV paged MLA decode, lock-step
+// schedule: wgmma through CuTe with both operands in shared memory. Serves
+// the caches TMA cannot load tile by tile (page sizes below 64, sparse
+// indices); decode_seesaw.cuh serves the others (decode_launch.cuh picks).
 //
 // Grid (row blocks of 64, num_parts) over the items of the on-device
 // scheduler (csrc/sm80/scheduler.cu), like the portable kernel; per item
-// the CTA loads its 64 query rows once, streams 64-token KV tiles through a
-// two-stage cp.async pipeline (page ids from the block table, so any
-// page_size and scattered pages work), keeps the online softmax in registers and
+// the CTA loads its 64 query rows once, streams 64-token KV tiles through
+// two stages (cp.async row gathers with page ids from the block table, so
+// any page_size and scattered pages work; TMA boxes when kv_tma.h allows
+// and MLA_JAX_SM90_LOCKSTEP=1 chose this schedule), keeps the online softmax in registers and
 // writes the final output or a normalised partial output + LSE for the
 // combine kernel. Per tile t (see decode_traits.h for the split of work):
 //   1. S(t) half (computed during the previous tile): mask, scale, row max;
