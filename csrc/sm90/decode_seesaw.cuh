@@ -2,29 +2,38 @@
 // page_size a multiple of 64; csrc/sm90/kv_tma.h): the two warpgroups take
 // turns instead of working in lock-step. Included by decode_launch.cuh.
 //
-// Tiles go in pairs (a, b) = (2k, 2k + 1). Warpgroup 0 computes S over the
-// whole of tile a, warpgroup 1 over tile b (m64n64k16, 36 k-steps each);
-// output columns stay split ([0, 256) in warpgroup 0, [256, 512) in 1), so
-// each warpgroup multiplies both tiles' P by its half of V. The running
-// max m passes from one to the other:
-//   m_a = max(m, rowmax S_a)    (warpgroup 0; P_a = 2^(S_a - m_a))
-//   m_b = max(m_a, rowmax S_b)  (warpgroup 1; P_b = 2^(S_b - m_b))
-//   O_half = (O_half 2^(m - m_a) + P_a V_a,half) 2^(m_a - m_b) + P_b V_b,half
-// so while one warpgroup does its softmax the tensor cores run the other's
-// matrix products. P_x goes to the rope block of tile x's stage (only S_x
-// reads the rope features, and S_x is done by then), which keeps shared
-// memory at Q + two KV stages. The FlashMLA write-up calls this schedule
-// "seesaw"; the code here is ours.
+// Tiles go in pairs (a, b) = (2k, 2k + 1); tile a always lives in stage 0,
+// tile b in stage 1. Warpgroup 0 computes S over the whole of tile a,
+// warpgroup 1 over tile b (m64n64k16, 36 k-steps each); output columns
+// stay split ([0, 256) in warpgroup 0, [256, 512) in 1), so each
+// warpgroup multiplies both tiles' P by its half of V: its own tile's P
+// straight from registers, the other's from shared memory. With m the
+// running max before the pair (log2 domain):
+//   m_a = max(m, rowmax S_a),  P_a = 2^(S_a - m_a)           (warpgroup 0)
+//   m_b = max(m_a, rowmax S_b), P_b = 2^(S_b - m_b)          (warpgroup 1)
+//   O_L = (O_L 2^(m - m_a) + P_a V_aL) 2^(m_a - m_b) + P_b V_bL
+//   O_R = O_R 2^(m - m_b) + P_b V_bR + (P_a 2^(m_a - m_b)) V_aR
+// Warpgroup 0 rescales its P_a once m_b is known and hands that to
+// warpgroup 1, which therefore never rescales O between its two products.
+// While one warpgroup does its softmax the tensor cores run the other's
+// products. The FlashMLA write-up calls this schedule "seesaw"; the code
+// and the buffer plan here are ours.
 //
-// Hand-offs (named barriers, warpgroup 0 arrives, warpgroup 1 waits, or the
-// reverse):
-//   A (0 -> 1): m_a and P_a are in shared memory;
-//   B (1 -> 0): m_b and P_b are in shared memory;
-//   C (0 -> 1): warpgroup 0's P_a V_a is done: stage a may be refilled;
-//   D (0 -> 1): warpgroup 0's P_b V_b (previous pair) is done: stage b may be refilled.
-// Each warpgroup refills the features it reads (decode_traits.h), so a
-// stage is refilled in two halves, each as soon as its reader is done; the
-// rope half (which holds P) waits for both.
+// Shared memory: Q, two KV stages, one P buffer (P_b). P_a goes to stage
+// 0's rope block, which only S_a reads. Each 64-feature block of a stage
+// is refilled by the warpgroup that reads it last, right after that read:
+//   stage 0 blocks 0-3 (V_aL): warpgroup 0, after P_a V_aL;
+//   stage 0 blocks 4-8 (V_aR, rope = P_a): warpgroup 1, after P_a V_aR;
+//   stage 1 blocks 4-8 (V_bR, rope):       warpgroup 1, after P_b V_bR;
+//   stage 1 blocks 0-3 (V_bL):             warpgroup 0, after P_b V_bL;
+// and S of the next tile reads its blocks in the order they were freed
+// (tile a: 0-8; tile b: 4-8, then 0-3), each as soon as its TMA lands.
+//
+// Hand-offs (named barriers; one warpgroup arrives, the other waits):
+//   MaxA (0 -> 1): m_a is in shared memory;   MaxB (1 -> 0): m_b;
+//   Pa (0 -> 1): P_a (rescaled) is in stage 0's rope block;
+//   Pb (1 -> 0): P_b is in the P buffer.
+// Every wgmma a warpgroup issues in a pair is waited for inside the pair.
 #pragma once
 
 #include "csrc/sm90/decode_kernel.cuh"
@@ -41,9 +50,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   using Elem = typename Tr::Elem;
   constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN;
   constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
-  constexpr int kRopeBlock = 8 * 8192;  // byte offset of a stage's rope block (P after S)
+  constexpr int kRopeBlock = 8 * 8192;  // byte offset of a stage's rope block (P_a in stage 0)
   // Named barrier ids (cutlass offsets them past its reserved ones).
-  constexpr uint32_t kBarA = 0, kBarB = 1, kBarC = 2, kBarD = 3, kBarWg0 = 4, kBarWg1 = 5;
+  constexpr uint32_t kBarMaxA = 0, kBarMaxB = 1, kBarPa = 2, kBarPb = 3;
   using cutlass::arch::NamedBarrier;
   using FullBarrier = cutlass::arch::ClusterTransactionBarrier;
 
@@ -52,7 +61,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   char* sQ_bytes = smem + Tr::kSmemQ;
   char* sKv_bytes = smem + Tr::kSmemKv;
   const int smem_pad = static_cast<int>(smem - smem_raw);
-  char* sKv_shared = smem_raw + smem_pad + Tr::kSmemKv;  // same bytes; the compiler knows it is shared
+  // The same bytes addressed from smem_raw: the compiler knows they are shared.
+  char* sKv_shared = smem_raw + smem_pad + Tr::kSmemKv;
+  char* sPb_shared = smem_raw + smem_pad + Tr::kSmemP;
   float* sRed = reinterpret_cast<float*>(smem_raw + smem_pad + Tr::kSmemRed);  // [2][64]: m_a, m_b; then sums
   int* s_bad_page = reinterpret_cast<int*>(smem_raw + smem_pad + Tr::kSmemFlags);
   uint64_t* kv_full = reinterpret_cast<uint64_t*>(smem_raw + smem_pad + Tr::kSmemBarriers);
@@ -64,15 +75,27 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   const int q_copy_row = tid / Tr::kThreadsPerRow;
 
   Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<Elem*>(sQ_bytes)), typename Tr::LayoutQK{});
+  Tensor sPb = make_tensor(make_smem_ptr(reinterpret_cast<Elem*>(smem + Tr::kSmemP)), typename Tr::LayoutP{});
+  Tensor sPa = make_tensor(make_smem_ptr(reinterpret_cast<Elem*>(sKv_bytes + kRopeBlock)), typename Tr::LayoutP{});
   auto mma_s = make_tiled_mma(typename Tr::MmaSTile{});
   auto mma_o = make_tiled_mma(typename Tr::MmaO{});
+  auto mma_o_regs = make_tiled_mma(typename Tr::MmaORegs{});
   auto thr_s = mma_s.get_thread_slice(wg_tid);
   auto thr_o = mma_o.get_thread_slice(wg_tid);
+  auto thr_o_regs = mma_o_regs.get_thread_slice(wg_tid);
   Tensor tSrQ = thr_s.partition_fragment_A(sQ);
-  Tensor tSrS = partition_fragment_C(mma_s, Shape<Int<kBlockM>, Int<kBlockN>>{});
+  Tensor tSrS = partition_fragment_C(mma_s, Shape<Int<kBlockM>, Int<kBlockN>>{});  // S, then P in place
+  Tensor tOrP = thr_o_regs.partition_fragment_A(sPb);  // this warpgroup's P as the A operand (registers)
   Tensor tOrO = partition_fragment_C(mma_o, Shape<Int<kBlockM>, Int<Tr::kOCols>>{});
   Tensor tScS = thr_s.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
   Tensor tOcO = thr_o.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<Tr::kOCols>>{}));
+  static_assert(decltype(size(tOrP))::value == decltype(size(tSrS))::value, "P fragment = S accumulator");
+  // V half of this warpgroup in each stage, and the A operands from shared memory.
+  auto v_half = [&](int stage) {
+    return make_tensor(make_smem_ptr(reinterpret_cast<Elem*>(sKv_bytes + stage * Tr::kTileBytes +
+                                                              wg * (Tr::kOCols / 64) * 8192)),
+                       typename Tr::LayoutVHalf{});
+  };
   // Accumulator rows of this thread: row_base + 8 * rr, rr = (i / 2) % 2
   // (csrc/sm90/layout_check.cu checks this for both MMA shapes).
   const int row_base = (wg_tid / 32) * 16 + lane / 4;
@@ -89,20 +112,16 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 
   // One barrier per 64-feature block of each stage (one arrival: the
   // issuing thread, plus the box's bytes), so S can start on the first
-  // block of a tile while the others are still arriving: with every SM
-  // streaming, a whole 72 KB tile takes microseconds to land.
+  // block of a tile while the others are still arriving.
   if (tid == 0) {
 #pragma unroll
     for (int i = 0; i < Tr::kStages * Tr::kKvBlocks; ++i) FullBarrier::init(&kv_full[i], 1);
     cutlass::arch::fence_barrier_init();
   }
   __syncthreads();
-  uint32_t full_phase = 0;  // parity of each stage's next completion (bit = stage)
-  auto wait_block = [&](int t, int blk) {
-    const int st = t % Tr::kStages;
-    FullBarrier::wait(&kv_full[st * Tr::kKvBlocks + blk], (full_phase >> st) & 1u);
-  };
-  auto tile_consumed = [&](int t) { full_phase ^= 1u << (t % Tr::kStages); };
+  // Warpgroup w computes S only over stage w's tiles, so it alone waits on
+  // stage w's barriers: one phase bit per warpgroup.
+  uint32_t full_phase = 0;
   // (exp2 correction factor, max to subtract) for a running max moving from
   // m_old to m_new; a row with nothing visible yet keeps m = -inf.
   auto correction = [](float m_old, float m_new) { return m_new == -INFINITY ? 1.f : fast_exp2(m_old - m_new); };
@@ -132,50 +151,42 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     if (tid == 0) *s_bad_page = 0;
     __syncthreads();
 
-    // Block-table entry of tile `tile` (its first token's page), or of
-    // entry 0 past the end (the row has one: the item has tokens).
-    auto fetch_entry = [&](int tile) {
-      const int tok = tile * kBlockN;
+    // Block-table entry of tile `t` of this item (its first token's page),
+    // or of entry 0 past the end (the row has one: the item has tokens).
+    auto fetch_entry = [&](int t) {
+      const int tok = (tile_begin + t) * kBlockN;
       int page, slot;
       sm80::div_page(p, tok, page, slot);
       return table[tok < tok_end ? page : 0];
     };
-    // This warpgroup's boxes of tile `tile` into its stage (warpgroup 0:
-    // ckv features [0, 256); warpgroup 1: [256, 512) and the rope block).
-    auto issue_tile = [&](int tile, int entry) {
+    // Boxes [first, first + count) of tile t into its stage (box 8: kpe),
+    // issued by one thread of this warpgroup.
+    auto issue_boxes = [&](int t, int entry, int first, int count) {
       if (wg_tid != 0) return;
-      uint64_t* bar = &kv_full[(tile % Tr::kStages) * Tr::kKvBlocks];
-      char* dst = sKv_bytes + (tile % Tr::kStages) * Tr::kTileBytes;
-      const int tok = (tile_begin + tile) * kBlockN;
-      const int first = wg * 4, count = wg == 0 ? 4 : 5;  // blocks of this warpgroup (8: kpe)
+      uint64_t* bar = &kv_full[(t % Tr::kStages) * Tr::kKvBlocks];
+      char* dst = sKv_bytes + (t % Tr::kStages) * Tr::kTileBytes;
       if (entry < 0 || entry >= p.num_pages) {
         *s_bad_page = 1;  // the request's output becomes NaN
         for (int j = 0; j < count; ++j) FullBarrier::arrive(&bar[first + j]);
         return;
       }
       int page, slot;
-      sm80::div_page(p, tok, page, slot);
+      sm80::div_page(p, (tile_begin + t) * kBlockN, page, slot);
       const int row = entry * p.page_size + slot;
       constexpr uint32_t kBox = 64 * 64 * 2;
       const uint64_t hint = static_cast<uint64_t>(cute::TMA::CacheHintSm90::EVICT_NORMAL);
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
+      for (int j = 0; j < count; ++j) {
         const int blk = first + j;
         FullBarrier::arrive_and_expect_tx(&bar[blk], kBox);
-        cute::SM90_TMA_LOAD_2D::copy(&tma.ckv, &bar[blk], hint, dst + blk * 8192, blk * 64, row);
-      }
-      if (wg == 1) {
-        FullBarrier::arrive_and_expect_tx(&bar[8], kBox);
-        cute::SM90_TMA_LOAD_2D::copy(&tma.kpe, &bar[8], hint, dst + kRopeBlock, 0, row);
+        if (blk < 8) {
+          cute::SM90_TMA_LOAD_2D::copy(&tma.ckv, &bar[blk], hint, dst + blk * 8192, blk * 64, row);
+        } else {
+          cute::SM90_TMA_LOAD_2D::copy(&tma.kpe, &bar[blk], hint, dst + kRopeBlock, 0, row);
+        }
       }
     };
-    // Tiles are refilled in order by each warpgroup; the entry of the next
-    // one is read one refill ahead.
-    int next_entry = 0;
-    auto refill = [&](int tile) {  // tile < num_tiles
-      issue_tile(tile, next_entry);
-      if (wg_tid == 0 && tile + 1 < num_tiles) next_entry = fetch_entry(tile_begin + tile + 1);
-    };
+    // This warpgroup's part of a whole tile (prologue): 0-3 or 4-8.
+    auto issue_own_part = [&](int t, int entry) { issue_boxes(t, entry, wg == 0 ? 0 : 4, wg == 0 ? 4 : 5); };
 
     // Query rows of this row block (zero past the request's rows).
     for (int r = q_copy_row; r < kBlockM; r += Tr::kRowsPerPass) {
@@ -203,44 +214,50 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     float m_run[2] = {-INFINITY, -INFINITY};  // running max (log2 domain), the same in both warpgroups
     float l_own[2] = {0.f, 0.f};  // sum of this warpgroup's P (its own tiles), relative to m_run
 
-    auto stage_ptr = [&](int t) { return sKv_bytes + (t % Tr::kStages) * Tr::kTileBytes; };
-    auto issue_s = [&](int t) {  // S = Q K(t)^T over the whole tile (async), block by block as it lands
-      Tensor sK = make_tensor(make_smem_ptr(reinterpret_cast<Elem*>(stage_ptr(t))), typename Tr::LayoutQK{});
+    // S += Q K^T over blocks [kLo, kHi) of this warpgroup's stage (async;
+    // the caller commits), each block's k-steps issued once its TMA lands.
+    // kFirst: the first k-step overwrites the accumulator (no clear():
+    // ordinary writes while other wgmmas run make ptxas serialise them).
+    auto issue_s_blocks = [&](auto lo_const, auto hi_const, auto first_const) __attribute__((always_inline)) {
+      constexpr int kLo = decltype(lo_const)::value, kHi = decltype(hi_const)::value;
+      Tensor sK = make_tensor(make_smem_ptr(reinterpret_cast<Elem*>(sKv_bytes + wg * Tr::kTileBytes)),
+                              typename Tr::LayoutQK{});
       Tensor tSrK = thr_s.partition_fragment_B(sK);
-      warpgroup_fence_operand(tSrS);
-      // The first k-step overwrites the accumulator (no clear: writing it
-      // with ordinary instructions while other wgmmas are in flight makes
-      // ptxas serialise them all).
-      mma_s.accumulate_ = GMMA::ScaleOut::Zero;
       static_assert(decltype(size<2>(tSrQ))::value == 4 * Tr::kKvBlocks, "4 k-steps per 64-feature block");
+      warpgroup_fence_operand(tSrS);
+      mma_s.accumulate_ = decltype(first_const)::value ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
 #pragma unroll
-      for (int kb = 0; kb < size<2>(tSrQ); ++kb) {
-        if (kb % 4 == 0) {
-          wait_block(t, kb / 4);
-          warpgroup_arrive();  // explicit, after the wait: one ptxas would insert there serialises
+      for (int blk = kLo; blk < kHi; ++blk) {
+        FullBarrier::wait(&kv_full[wg * Tr::kKvBlocks + blk], full_phase);
+        warpgroup_arrive();  // explicit, after the wait: one ptxas would insert there serialises
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          gemm(mma_s, tSrQ(_, _, 4 * blk + j), tSrK(_, _, 4 * blk + j), tSrS);
+          mma_s.accumulate_ = GMMA::ScaleOut::One;
         }
-        gemm(mma_s, tSrQ(_, _, kb), tSrK(_, _, kb), tSrS);
-        mma_s.accumulate_ = GMMA::ScaleOut::One;
       }
-      warpgroup_commit_batch();
-      tile_consumed(t);
     };
-    auto issue_pv = [&](int t) {  // O half += P(t) V(t) half (async)
-      char* st = stage_ptr(t);
-      Tensor sP = make_tensor(make_smem_ptr(reinterpret_cast<Elem*>(st + kRopeBlock)), typename Tr::LayoutP{});
-      Tensor sV = make_tensor(make_smem_ptr(reinterpret_cast<Elem*>(st + wg * (Tr::kOCols / 64) * 8192)),
-                              typename Tr::LayoutVHalf{});
+    using Zero = Int<0>;
+    using Four = Int<4>;
+    using Nine = Int<9>;
+    // O half += P V half with P from registers (this warpgroup's tile) or
+    // from shared memory (the other's); async, committed.
+    auto issue_pv_regs = [&](int stage) __attribute__((always_inline)) {
+      warpgroup_fence_operand(tOrP);
       warpgroup_fence_operand(tOrO);
       warpgroup_arrive();
-      gemm(mma_o, thr_o.partition_fragment_A(sP), thr_o.partition_fragment_B(sV), tOrO);
+      gemm(mma_o_regs, tOrP, thr_o_regs.partition_fragment_B(v_half(stage)), tOrO);
       warpgroup_commit_batch();
     };
-    // Row maxima of this tile's scaled, masked S (quad-reduced). S is only
-    // read: writing the accumulator while the other product is in flight
-    // would make ptxas serialise the wgmmas (write_p scales it again).
+    auto issue_pv_smem = [&](auto& sP, int stage) __attribute__((always_inline)) {
+      warpgroup_fence_operand(tOrO);
+      warpgroup_arrive();
+      gemm(mma_o, thr_o.partition_fragment_A(sP), thr_o.partition_fragment_B(v_half(stage)), tOrO);
+      warpgroup_commit_batch();
+    };
+    // Row maxima of tile t's scaled, masked S (quad-reduced).
     auto visible_all = [&](int t) { return (tile_begin + t) * kBlockN + kBlockN <= min(limit[0], limit[1]); };
     auto tile_rowmax = [&](int t, float (&tile_max)[2]) {
-      warpgroup_fence_operand(tSrS);
       const int tok0 = (tile_begin + t) * kBlockN;
       tile_max[0] = tile_max[1] = -INFINITY;
       if (visible_all(t)) {
@@ -259,28 +276,34 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         tile_max[rr] = fmaxf(tile_max[rr], __shfl_xor_sync(0xffffffffu, tile_max[rr], 2));
       }
     };
-    // P(t) = 2^(S scale - m) (0 where masked) into tile t's rope block;
-    // returns this thread's row sums.
-    auto write_p = [&](int t, const float (&m)[2], float (&sum)[2]) {
-      char* dst = sKv_shared + (t % Tr::kStages) * Tr::kTileBytes + kRopeBlock;
+    // P = 2^(S scale - m) (0 where masked), in place in the S accumulator
+    // (no wgmma of this warpgroup is in flight here) and as the bf16/fp16
+    // A operand; returns this thread's row sums.
+    auto softmax_in_place = [&](int t, const float (&m)[2], float (&sum)[2]) {
       const int tok0 = (tile_begin + t) * kBlockN;
       const bool all = visible_all(t);
       const float neg_m[2] = {-usable(m[0]), -usable(m[1])};
       sum[0] = sum[1] = 0.f;
 #pragma unroll
+      for (int i = 0; i < size(tSrS); ++i) {
+        const int rr = half_of(i);
+        float e = fast_exp2(fmaf(tSrS(i), scale_log2, neg_m[rr]));
+        if (!all) e = tok0 + get<1>(tScS(i)) < limit[rr] ? e : 0.f;
+        sum[rr] += e;
+        tSrS(i) = e;
+        tOrP(i) = static_cast<Elem>(e);
+      }
+    };
+    // P (times c per row) into a LayoutP buffer for the other warpgroup.
+    auto store_p = [&](char* dst, const float (&c)[2]) {
+#pragma unroll
       for (int i = 0; i < size(tSrS); i += 2) {
         const int row = get<0>(tScS(i)), col = get<1>(tScS(i));
-        const int rr = half_of(i);
-        float e0 = fast_exp2(fmaf(tSrS(i), scale_log2, neg_m[rr]));
-        float e1 = fast_exp2(fmaf(tSrS(i + 1), scale_log2, neg_m[rr]));
-        if (!all) {
-          e0 = tok0 + col < limit[rr] ? e0 : 0.f;
-          e1 = tok0 + col + 1 < limit[rr] ? e1 : 0.f;
-        }
-        sum[rr] += e0 + e1;
-        *reinterpret_cast<uint32_t*>(dst + qk_chunk_offset(row, col >> 3) + (col & 7) * 2) = pack2<T>(e0, e1);
+        const float f = c[half_of(i)];
+        *reinterpret_cast<uint32_t*>(dst + qk_chunk_offset(row, col >> 3) + (col & 7) * 2) =
+            pack2<T>(tSrS(i) * f, tSrS(i + 1) * f);
       }
-      fence_smem_for_wgmma();  // P is read by wgmma (async proxy)
+      fence_smem_for_wgmma();  // read by wgmma (async proxy) after the hand-off barrier
     };
     auto publish_max = [&](const float (&m)[2], int slot) {
       if (lane % 4 == 0) {
@@ -293,102 +316,102 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       m[1] = sRed[slot * kBlockM + row_base + 8];
     };
 
-    // Prologue: tiles 0 and 1 (each warpgroup its boxes), the query, S(0).
-    if (num_tiles > 0) {
-      if (wg_tid == 0) next_entry = fetch_entry(tile_begin);
-      refill(0);
-      if (num_tiles > 1) refill(1);
-    }
+    // Prologue: tiles 0 and 1 (each warpgroup its boxes), the query, then
+    // S(0) in warpgroup 0 and S(1) in warpgroup 1, each waited for.
+    if (num_tiles > 0) issue_own_part(0, wg_tid == 0 ? fetch_entry(0) : 0);
+    if (num_tiles > 1) issue_own_part(1, wg_tid == 0 ? fetch_entry(1) : 0);
     cute::cp_async_wait<0>();
     fence_smem_for_wgmma();
     __syncthreads();  // the query landed
-    if (wg == 0 && num_tiles > 0) {
-      issue_s(0);
+    if (wg < num_tiles) {  // warpgroup w's first tile is tile w
+      issue_s_blocks(Zero{}, Nine{}, std::true_type{});
+      warpgroup_commit_batch();
       warpgroup_wait<0>();
+      full_phase ^= 1u;
     }
 
     // One pair of tiles. Every wgmma a pair issues is unconditional inside
-    // its instantiation (kHasB: tile b exists; kNext: a next pair exists):
-    // a wgmma issued on one path only makes ptxas serialise all of them.
-    auto pair = [&](const int k, auto has_b_const, auto next_const) __attribute__((always_inline)) {
+    // its instantiation (kHasB: tile b exists; kNextA / kNextB: tiles a + 2
+    // / b + 2 exist): a wgmma issued on one path only makes ptxas
+    // serialise all of them. S(a) (warpgroup 0) and S(b) (warpgroup 1) are
+    // complete on entry.
+    auto pair = [&](const int k, auto has_b_const, auto next_a_const, auto next_b_const) __attribute__((always_inline)) {
       constexpr bool kHasB = decltype(has_b_const)::value;
-      constexpr bool kNext = decltype(next_const)::value;
+      constexpr bool kNextA = decltype(next_a_const)::value;
+      constexpr bool kNextB = decltype(next_b_const)::value;
       const int ta = 2 * k, tb = 2 * k + 1;
-      const bool refill_b = kHasB && k > 0;  // stage b held tile tb - 2
+      // Entries of the next pair's tiles, read now to be ready mid-pair.
+      int entry_a = 0, entry_b = 0;
+      if (wg_tid == 0) {
+        if (kNextA) entry_a = fetch_entry(ta + 2);
+        if (kNextB) entry_b = fetch_entry(tb + 2);
+      }
       float m_a[2], m_b[2], tmax[2], sum[2], c[2];
       if (wg == 0) {
-        if (refill_b) {
-          warpgroup_wait<1>();  // P(tb - 2) V done (S(ta) may still run)
-          warpgroup_fence_operand(tOrO);
-          refill(tb);
-          NamedBarrier::arrive(256, kBarD);
-        }
-        warpgroup_wait<0>();  // S(ta)
         tile_rowmax(ta, tmax);
 #pragma unroll
         for (int rr = 0; rr < 2; ++rr) {
           m_a[rr] = fmaxf(m_run[rr], tmax[rr]);
           c[rr] = correction(m_run[rr], m_a[rr]);
         }
-        write_p(ta, m_a, sum);
         publish_max(m_a, 0);
-        NamedBarrier::arrive(256, kBarA);
+        NamedBarrier::arrive(256, kBarMaxA);
+        softmax_in_place(ta, m_a, sum);
 #pragma unroll
         for (int rr = 0; rr < 2; ++rr) l_own[rr] = l_own[rr] * c[rr] + sum[rr];
         warpgroup_fence_operand(tOrO);
         rescale_o(c);
-        NamedBarrier::sync(128, kBarWg0);  // all of P(ta) written
-        issue_pv(ta);
+        issue_pv_regs(0);  // O_L += P_a V_aL
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(tOrO);
+        if (kNextA) issue_boxes(ta + 2, entry_a, 0, 4);  // V_aL is free
         if constexpr (kHasB) {
-          NamedBarrier::sync(256, kBarB);
+          NamedBarrier::sync(256, kBarMaxB);
           read_max(m_b, 1);
         } else {
           m_b[0] = m_a[0];
           m_b[1] = m_a[1];
         }
-        warpgroup_wait<0>();  // P(ta) V done: stage a's low features are free
-        warpgroup_fence_operand(tOrO);
-        if constexpr (kNext) {
-          refill(ta + 2);
-          NamedBarrier::arrive(256, kBarC);
-        }
+#pragma unroll
+        for (int rr = 0; rr < 2; ++rr) c[rr] = correction(m_a[rr], m_b[rr]);
+        store_p(sKv_shared + kRopeBlock, c);  // P_a relative to m_b, for warpgroup 1
+        NamedBarrier::arrive(256, kBarPa);
 #pragma unroll
         for (int rr = 0; rr < 2; ++rr) {
-          c[rr] = correction(m_a[rr], m_b[rr]);
           l_own[rr] *= c[rr];
           m_run[rr] = m_b[rr];
         }
         if constexpr (kHasB) {
           rescale_o(c);
-          issue_pv(tb);
+          NamedBarrier::sync(256, kBarPb);
+          issue_pv_smem(sPb, 1);  // O_L += P_b V_bL
         }
-        if constexpr (kNext) {
-          issue_s(ta + 2);
+        if constexpr (kNextA) {  // S(a + 2): the blocks freed first
+          issue_s_blocks(Zero{}, Four{}, std::true_type{});
+          warpgroup_commit_batch();
         }
-      } else {
-        warpgroup_wait<0>();  // P(tb - 2) V done
+        if constexpr (kNextB) {
+          warpgroup_wait<1>();  // P_b V_bL done: V_bL is free
+          issue_boxes(tb + 2, entry_b, 0, 4);
+        }
+        if constexpr (kNextA) {
+          issue_s_blocks(Four{}, Nine{}, std::false_type{});
+          warpgroup_commit_batch();
+          full_phase ^= 1u;
+        }
+        warpgroup_wait<0>();
         warpgroup_fence_operand(tOrO);
-        if (refill_b) {
-          NamedBarrier::sync(256, kBarD);  // warpgroup 0's P(tb - 2) V done too
-          refill(tb);
-        }
-        if constexpr (kHasB) {
-          issue_s(tb);
-        }
-        NamedBarrier::sync(256, kBarA);
+        warpgroup_fence_operand(tSrS);
+      } else {
+        NamedBarrier::sync(256, kBarMaxA);
         read_max(m_a, 0);
-#pragma unroll
-        for (int rr = 0; rr < 2; ++rr) c[rr] = correction(m_run[rr], m_a[rr]);
-        rescale_o(c);
-        issue_pv(ta);
         if constexpr (kHasB) {
-          warpgroup_wait<1>();  // S(tb)
           tile_rowmax(tb, tmax);
 #pragma unroll
           for (int rr = 0; rr < 2; ++rr) m_b[rr] = fmaxf(m_a[rr], tmax[rr]);
-          write_p(tb, m_b, sum);
           publish_max(m_b, 1);
-          NamedBarrier::arrive(256, kBarB);
+          NamedBarrier::arrive(256, kBarMaxB);
+          softmax_in_place(tb, m_b, sum);
         } else {
           m_b[0] = m_a[0];
           m_b[1] = m_a[1];
@@ -396,33 +419,52 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         }
 #pragma unroll
         for (int rr = 0; rr < 2; ++rr) {
-          l_own[rr] = l_own[rr] * correction(m_run[rr], m_b[rr]) + sum[rr];
-          c[rr] = correction(m_a[rr], m_b[rr]);
+          c[rr] = correction(m_run[rr], m_b[rr]);
+          l_own[rr] = l_own[rr] * c[rr] + sum[rr];
           m_run[rr] = m_b[rr];
         }
-        warpgroup_wait<0>();  // P(ta) V done: stage a's high features are free
         warpgroup_fence_operand(tOrO);
-        if constexpr (kNext) {
-          NamedBarrier::sync(256, kBarC);  // and warpgroup 0's: P(ta) in the rope block is free
-          refill(ta + 2);
-        }
+        rescale_o(c);
         if constexpr (kHasB) {
-          rescale_o(c);
-          NamedBarrier::sync(128, kBarWg1);  // all of P(tb) written
-          issue_pv(tb);
+          const float one[2] = {1.f, 1.f};
+          store_p(sPb_shared, one);  // P_b for warpgroup 0
+          NamedBarrier::arrive(256, kBarPb);
+          issue_pv_regs(1);  // O_R += P_b V_bR
+        }
+        NamedBarrier::sync(256, kBarPa);
+        issue_pv_smem(sPa, 0);  // O_R += P_a V_aR
+        if constexpr (kNextB) {
+          warpgroup_wait<1>();  // P_b V_bR done: V_bR and tile b's rope are free
+          issue_boxes(tb + 2, entry_b, 4, 5);
+        }
+        warpgroup_wait<0>();  // P_a V_aR done: V_aR and P_a are free
+        warpgroup_fence_operand(tOrO);
+        if (kNextA) issue_boxes(ta + 2, entry_a, 4, 5);
+        if constexpr (kNextB) {
+          issue_s_blocks(Four{}, Nine{}, std::true_type{});  // S(b + 2): the blocks freed first
+          issue_s_blocks(Zero{}, Four{}, std::false_type{});
+          warpgroup_commit_batch();
+          full_phase ^= 1u;
+          warpgroup_wait<0>();
+          warpgroup_fence_operand(tSrS);
         }
       }
     };
     const int num_pairs = (num_tiles + 1) / 2;
-    for (int k = 0; k + 1 < num_pairs; ++k) pair(k, std::true_type{}, std::true_type{});
-    if (num_pairs > 0) {
-      if (num_tiles % 2 == 0) {
-        pair(num_pairs - 1, std::true_type{}, std::false_type{});
+    for (int k = 0; k + 1 < num_pairs; ++k) {
+      if (2 * k + 3 < num_tiles) {
+        pair(k, std::true_type{}, std::true_type{}, std::true_type{});
       } else {
-        pair(num_pairs - 1, std::false_type{}, std::false_type{});
+        pair(k, std::true_type{}, std::true_type{}, std::false_type{});
       }
     }
-    warpgroup_wait<0>();
+    if (num_pairs > 0) {
+      if (num_tiles % 2 == 0) {
+        pair(num_pairs - 1, std::true_type{}, std::false_type{}, std::false_type{});
+      } else {
+        pair(num_pairs - 1, std::false_type{}, std::false_type{}, std::false_type{});
+      }
+    }
     warpgroup_fence_operand(tOrO);
 
     // Epilogue: both warpgroups' sums are relative to the same m_run.

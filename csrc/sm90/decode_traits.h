@@ -64,6 +64,13 @@ struct DecodeTraits {
   using MmaO = decltype(cute::SM90::GMMA::ss_op_selector<
                         Elem, Elem, float, cute::Shape<cute::_64, cute::Int<kOCols>, cute::Int<kBlockN>>,
                         cute::GMMA::Major::K, cute::GMMA::Major::MN>());
+  // Seesaw kernel: a warpgroup multiplies its own tile's P straight from
+  // registers (the S accumulator converted in place: the A-operand layout
+  // of m64k16 matches the m64n64 accumulator's, element for element;
+  // layout_check.cu verifies it).
+  using MmaORegs = decltype(cute::SM90::GMMA::rs_op_selector<
+                            Elem, Elem, float, cute::Shape<cute::_64, cute::Int<kOCols>, cute::Int<kBlockN>>,
+                            cute::GMMA::Major::K, cute::GMMA::Major::MN>());
 
   // Shared memory (bytes from a 1024-byte aligned base: the 128-byte swizzle
   // pattern repeats every 1024 bytes of address).

@@ -62,6 +62,31 @@ int check_traits(const char* name) {
   };
   check_acc(make_tiled_mma(typename Tr::MmaS{}), Shape<Int<Tr::kBlockM>, Int<Tr::kSCols>>{}, "S");
   check_acc(make_tiled_mma(typename Tr::MmaO{}), Shape<Int<Tr::kBlockM>, Int<Tr::kOCols>>{}, "O");
+  // The seesaw kernel's P from registers: element i of the m64n256k16 A
+  // fragment (4 k-steps over 64 tokens) is element i of the m64n64 S
+  // accumulator, for every thread.
+  {
+    auto mma_s = make_tiled_mma(typename Tr::MmaSTile{});
+    auto mma_p = make_tiled_mma(typename Tr::MmaORegs{});
+    auto ident = make_identity_tensor(Shape<Int<Tr::kBlockM>, Int<Tr::kBlockN>>{});
+    for (int t = 0; t < 128; ++t) {
+      auto c_coords = mma_s.get_thread_slice(t).partition_C(ident);
+      auto a_coords = mma_p.get_thread_slice(t).partition_A(ident);
+      auto frag = mma_p.get_thread_slice(t).partition_fragment_A(sP);
+      // (as ints: CuTe's operators on static sizes do not short-circuit)
+      const int n_c = int(size(c_coords)), n_a = int(size(a_coords)), n_f = int(size(frag));
+      if ((n_a != n_c || n_f != n_c) && bad++ < 5)
+        std::printf("%s: P fragment size %d, S accumulator %d\n", name, n_a, n_c);
+      for (int i = 0; i < n_c && i < n_a; ++i) {
+        const bool same = get<0>(a_coords(i)) == get<0>(c_coords(i)) && get<1>(a_coords(i)) == get<1>(c_coords(i));
+        if (!same && bad++ < 5)
+          std::printf("%s: thread %d P element %d at (%d, %d), S element at (%d, %d)\n", name, t, i,
+                      int(get<0>(a_coords(i))), int(get<1>(a_coords(i))), int(get<0>(c_coords(i))),
+                      int(get<1>(c_coords(i))));
+      }
+    }
+  }
+  check_acc(make_tiled_mma(typename Tr::MmaSTile{}), Shape<Int<Tr::kBlockM>, Int<Tr::kBlockN>>{}, "S tile");
   std::printf("%s: %s\n", name, bad ? "FAILED" : "ok");
   return bad;
 }
