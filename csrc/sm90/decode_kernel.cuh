@@ -23,6 +23,7 @@
 #include "csrc/sm80/api.h"
 #include "csrc/sm80/kv_source.cuh"
 #include "csrc/sm80/request.cuh"
+#include "csrc/sm90/decode_common.cuh"
 #include "csrc/sm90/decode_traits.h"
 #include "csrc/sm90/kv_tma.h"
 
@@ -40,29 +41,6 @@ using sm80::pack2;
 using sm80::TokenSource;
 static_assert(kSchedBlockTokens == 64, "one KV tile per scheduler block");
 
-// Makes this thread's generic-proxy shared-memory writes (cp.async data
-// once waited for, and st.shared) visible to wgmma, which reads through
-// the async proxy. Must precede the barrier that publishes the data.
-__device__ __forceinline__ void fence_smem_for_wgmma() {
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-}
-
-// 2^x in one MUFU.EX2 (flush-to-zero; 2^-inf = 0). exp2f adds range
-// fix-ups around it that cost three more instructions per element.
-__device__ __forceinline__ float fast_exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-
-// Byte offset of 16-byte chunk `chunk` (8 elements) of row `row` in a
-// LayoutQK tile: 8-row x 128-byte atoms, row atoms first, then 64-column
-// blocks of 8 KB; inside an atom the chunk index is XORed with row % 8
-// (the hardware's 128-byte swizzle). Equal to &tile(row, 8 * chunk).
-__host__ __device__ __forceinline__ int qk_chunk_offset(int row, int chunk) {
-  return (row & 7) * 128 + (row >> 3) * 1024 + (chunk >> 3) * 8192 + (((chunk & 7) ^ (row & 7)) << 4);
-}
-
 template <typename Tr>
 __global__ void __launch_bounds__(Tr::kThreads, 1)
     decode_kernel(const PagedDecodeParams p, const DecodeWorkspace ws, const __grid_constant__ KvTma tma) {
@@ -71,7 +49,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   using T = typename Tr::QType;
   using Elem = typename Tr::Elem;
   constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN;
-  constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
+  constexpr float kLog2e = 1.4426950408889634f;
 
   extern __shared__ char smem_raw[];
   char* smem = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
@@ -94,7 +72,6 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   const int wg = tid / 128, wg_tid = tid % 128;
   const int lane = tid % 32;
   const int copy_lane = tid % Tr::kThreadsPerRow;
-  const int q_copy_row = tid / Tr::kThreadsPerRow;       // query rows: whole CTA
   const int kv_copy_row = wg_tid / Tr::kThreadsPerRow;   // KV rows: per warpgroup
 
   // MMA operands. Q and P are A operands (K-major); K (rows = tokens of
@@ -129,8 +106,6 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   const float kv_scale = p.kv_scale ? *p.kv_scale : 1.0f;
   const float scale_log2 = p.sm_scale * kv_scale * kLog2e;
   const int item_begin = ws.part_begin[part], item_end = ws.part_begin[part + 1];
-  const char* q_nope = static_cast<const char*>(p.q_nope);
-  const char* q_pe = static_cast<const char*>(p.q_pe);
   const char* ckv = static_cast<const char*>(p.ckv);
   const char* kpe = static_cast<const char*>(p.kpe);
   const bool sparse = p.indices != nullptr;
@@ -151,15 +126,11 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   };
 
   for (int item = item_begin; item < item_end; ++item) {
-    const int b = ws.items[4 * item];
-    const int block_begin = ws.items[4 * item + 1], block_end = ws.items[4 * item + 2];
-    const int splits = ws.request_meta[2 * b + 1];
-    const sm80::RequestSpan span = sm80::request_span(p, ws, b);
-    const int64_t seq_len = span.len;
-    const bool len_ok = span.valid;
-    const int64_t tok_end = min(seq_len, int64_t{block_end} * kSchedBlockTokens);
-    const int tile_begin = block_begin;
-    const int num_tiles = len_ok ? static_cast<int>((tok_end + kBlockN - 1) / kBlockN) - tile_begin : 0;
+    const DecodeItem it = load_item<kBlockN>(p, ws, item);
+    const int b = it.b;
+    const int64_t tok_end = it.tok_end;
+    const int tile_begin = it.tile_begin;
+    const int num_tiles = it.num_tiles;
     const int32_t* table = sparse ? p.indices + static_cast<int64_t>(b) * p.topk
                                   : p.block_table + static_cast<int64_t>(b) * p.max_pages_per_seq;
 
@@ -259,29 +230,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     };
     static_assert(Tr::kKvChunksWg1 == Tr::kKvChunksWg0 + 1, "warpgroup 1 copies one rope chunk more");
 
-    // Query rows of this row block (zero past the request's rows).
-    for (int r = q_copy_row; r < kBlockM; r += Tr::kRowsPerPass) {
-      const bool live = m0 + r < rows;
-      const int64_t grow = int64_t{b} * rows + (live ? m0 + r : 0);
-      const char* qn = q_nope + grow * p.q_nope_row_stride * 2;
-      const char* qp = q_pe + grow * p.q_pe_row_stride * 2;
-#pragma unroll
-      for (int j = 0; j < Tr::kChunksPerThread; ++j) {
-        const int c = copy_lane + j * Tr::kThreadsPerRow;
-        const char* src = c < Tr::kNopeChunks ? qn + c * 16 : qp + (c - Tr::kNopeChunks) * 16;
-        cp_async_16(sQ_bytes + qk_chunk_offset(r, c), src, live);
-      }
-    }
+    load_query_rows<Tr>(p, sQ_bytes, b, m0, tid);  // committed with the first tile's copies
 
-    // Visible length of this thread's two accumulator rows.
-    int limit[2];
-#pragma unroll
-    for (int rr = 0; rr < 2; ++rr) {
-      const int row = m0 + row_base + 8 * rr;
-      const int qi = row < rows ? row / p.num_heads : 0;
-      // Tokens at or past tok_end belong to the next split or do not exist.
-      limit[rr] = row < rows ? static_cast<int>(min(visible_len(seq_len, p.q_len, qi, p.causal), tok_end)) : 0;
-    }
+    int limit[2];  // visible length of this thread's two accumulator rows
+    row_limits(p, it, m0, row_base, limit);
 
     clear(tOrO);
     float row_max[2] = {-INFINITY, -INFINITY};
@@ -445,59 +397,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     for (int t = 0; t + 1 < num_tiles; ++t) step(t, std::true_type{});
     if (num_tiles > 0) step(num_tiles - 1, std::false_type{});
 
-    // Epilogue: row sums across the quad and the two warpgroups.
-#pragma unroll
-    for (int rr = 0; rr < 2; ++rr) {
-      row_sum[rr] += __shfl_xor_sync(0xffffffffu, row_sum[rr], 1);
-      row_sum[rr] += __shfl_xor_sync(0xffffffffu, row_sum[rr], 2);
-    }
-    __syncthreads();  // sRed's last readers are done
-#pragma unroll
-    for (int rr = 0; rr < 2; ++rr)
-      if (lane % 4 == 0) sRed[wg * kBlockM + row_base + 8 * rr] = row_sum[rr];
-    __syncthreads();
-    const bool bad = !len_ok || *s_bad_page != 0;
-    const bool split = splits > 1;
-    float lse[2], scale[2];
-#pragma unroll
-    for (int rr = 0; rr < 2; ++rr) {
-      const int lrow = row_base + 8 * rr;
-      const int row = m0 + lrow;
-      const float total = sRed[lrow] + sRed[kBlockM + lrow];
-      if (bad) {
-        lse[rr] = NAN;
-        scale[rr] = NAN;
-      } else if (total > 0.f) {
-        lse[rr] = row_max[rr] * kLn2 + logf(total);
-        scale[rr] = kv_scale / total;
-        if (p.attn_sink != nullptr && !split && row < rows) {  // split rows get the sink in combine
-          scale[rr] /= 1.f + __expf(p.attn_sink[row % p.num_heads] - lse[rr]);
-        }
-      } else {
-        lse[rr] = -INFINITY;  // nothing visible: out 0
-        scale[rr] = 0.f;
-      }
-      if (wg == 0 && lane % 4 == 0 && row < rows) {
-        const int64_t out_row = split ? int64_t{item} * rows + row : int64_t{b} * rows + row;
-        (split ? ws.lse_accum : p.lse)[out_row] = lse[rr];
-      }
-    }
-    // Accumulator elements 2k and 2k + 1 are adjacent columns of one row.
-#pragma unroll
-    for (int i = 0; i < size(tOrO); i += 2) {
-      const int lrow = get<0>(tOcO(i));
-      const int row = m0 + lrow;
-      if (row >= rows) continue;
-      const int col = wg * Tr::kOCols + get<1>(tOcO(i));
-      const float sc = scale[half_of(i)];
-      if (split) {
-        float* dst = ws.out_accum + (int64_t{item} * rows + row) * Tr::kDimNope + col;
-        *reinterpret_cast<float2*>(dst) = make_float2(tOrO(i) * sc, tOrO(i + 1) * sc);
-      } else {
-        T* dst = static_cast<T*>(p.out) + (int64_t{b} * rows + row) * Tr::kDimNope + col;
-        *reinterpret_cast<uint32_t*>(dst) = pack2<T>(tOrO(i) * sc, tOrO(i + 1) * sc);
-      }
-    }
+    write_item_output<Tr, T>(p, ws, it, item, m0, row_sum, row_max, kv_scale, s_bad_page, sRed, tOrO, tOcO);
   }
 #endif  // sm_90a
 }

@@ -49,7 +49,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   using T = typename Tr::QType;
   using Elem = typename Tr::Elem;
   constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN;
-  constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
+  constexpr float kLog2e = 1.4426950408889634f;
   constexpr int kRopeBlock = 8 * 8192;  // byte offset of a stage's rope block (P_a in stage 0)
   // Named barrier ids (cutlass offsets them past its reserved ones).
   constexpr uint32_t kBarMaxA = 0, kBarMaxB = 1, kBarPa = 2, kBarPb = 3;
@@ -71,8 +71,6 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   const int tid = threadIdx.x;
   const int wg = tid / 128, wg_tid = tid % 128;
   const int lane = tid % 32;
-  const int copy_lane = tid % Tr::kThreadsPerRow;
-  const int q_copy_row = tid / Tr::kThreadsPerRow;
 
   Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<Elem*>(sQ_bytes)), typename Tr::LayoutQK{});
   Tensor sPb = make_tensor(make_smem_ptr(reinterpret_cast<Elem*>(smem + Tr::kSmemP)), typename Tr::LayoutP{});
@@ -107,8 +105,6 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   const float kv_scale = p.kv_scale ? *p.kv_scale : 1.0f;
   const float scale_log2 = p.sm_scale * kv_scale * kLog2e;
   const int item_begin = ws.part_begin[part], item_end = ws.part_begin[part + 1];
-  const char* q_nope = static_cast<const char*>(p.q_nope);
-  const char* q_pe = static_cast<const char*>(p.q_pe);
 
   // One barrier per 64-feature block of each stage (one arrival: the
   // issuing thread, plus the box's bytes), so S can start on the first
@@ -135,16 +131,11 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   };
 
   for (int item = item_begin; item < item_end; ++item) {
-    const int b = ws.items[4 * item];
-    const int block_begin = ws.items[4 * item + 1], block_end = ws.items[4 * item + 2];
-    const int splits = ws.request_meta[2 * b + 1];
-    const sm80::RequestSpan span = sm80::request_span(p, ws, b);
-    const int64_t seq_len = span.len;
-    const bool len_ok = span.valid;
-    const int64_t tok_end = min(seq_len, int64_t{block_end} * kSchedBlockTokens);
-    const int tile_begin = block_begin;
-    const int num_tiles = len_ok ? static_cast<int>((tok_end + kBlockN - 1) / kBlockN) - tile_begin : 0;
-    const int32_t* table = p.block_table + static_cast<int64_t>(b) * p.max_pages_per_seq;
+    const DecodeItem it = load_item<kBlockN>(p, ws, item);
+    const int64_t tok_end = it.tok_end;
+    const int tile_begin = it.tile_begin;
+    const int num_tiles = it.num_tiles;
+    const int32_t* table = p.block_table + static_cast<int64_t>(it.b) * p.max_pages_per_seq;
 
     cute::cp_async_wait<0>();
     __syncthreads();  // the previous item is done with every buffer
@@ -191,28 +182,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     // This warpgroup's part of a whole tile (prologue): 0-3 or 4-8.
     auto issue_own_part = [&](int t, int entry) { issue_boxes(t, entry, wg == 0 ? 0 : 4, wg == 0 ? 4 : 5); };
 
-    // Query rows of this row block (zero past the request's rows).
-    for (int r = q_copy_row; r < kBlockM; r += Tr::kRowsPerPass) {
-      const bool live = m0 + r < rows;
-      const int64_t grow = int64_t{b} * rows + (live ? m0 + r : 0);
-      const char* qn = q_nope + grow * p.q_nope_row_stride * 2;
-      const char* qp = q_pe + grow * p.q_pe_row_stride * 2;
-#pragma unroll
-      for (int j = 0; j < Tr::kChunksPerThread; ++j) {
-        const int c = copy_lane + j * Tr::kThreadsPerRow;
-        const char* src = c < Tr::kNopeChunks ? qn + c * 16 : qp + (c - Tr::kNopeChunks) * 16;
-        cp_async_16(sQ_bytes + qk_chunk_offset(r, c), src, live);
-      }
-    }
+    load_query_rows<Tr>(p, sQ_bytes, it.b, m0, tid);
     cute::cp_async_fence();
-
     int limit[2];  // visible length of this thread's two rows (<= tok_end)
-#pragma unroll
-    for (int rr = 0; rr < 2; ++rr) {
-      const int row = m0 + row_base + 8 * rr;
-      const int qi = row < rows ? row / p.num_heads : 0;
-      limit[rr] = row < rows ? static_cast<int>(min(visible_len(seq_len, p.q_len, qi, p.causal), tok_end)) : 0;
-    }
+    row_limits(p, it, m0, row_base, limit);
     clear(tOrO);
     float m_run[2] = {-INFINITY, -INFINITY};  // running max (log2 domain), the same in both warpgroups
     float l_own[2] = {0.f, 0.f};  // sum of this warpgroup's P (its own tiles), relative to m_run
@@ -470,58 +443,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     }
     warpgroup_fence_operand(tOrO);
 
-    // Epilogue: both warpgroups' sums are relative to the same m_run.
-#pragma unroll
-    for (int rr = 0; rr < 2; ++rr) {
-      l_own[rr] += __shfl_xor_sync(0xffffffffu, l_own[rr], 1);
-      l_own[rr] += __shfl_xor_sync(0xffffffffu, l_own[rr], 2);
-    }
-    __syncthreads();  // the last reads of the maxima in sRed are done
-#pragma unroll
-    for (int rr = 0; rr < 2; ++rr)
-      if (lane % 4 == 0) sRed[wg * kBlockM + row_base + 8 * rr] = l_own[rr];
-    __syncthreads();
-    const bool bad = !len_ok || *s_bad_page != 0;
-    const bool split = splits > 1;
-    float scale[2];
-#pragma unroll
-    for (int rr = 0; rr < 2; ++rr) {
-      const int lrow = row_base + 8 * rr;
-      const int row = m0 + lrow;
-      const float total = sRed[lrow] + sRed[kBlockM + lrow];
-      float lse;
-      if (bad) {
-        lse = NAN;
-        scale[rr] = NAN;
-      } else if (total > 0.f) {
-        lse = m_run[rr] * kLn2 + logf(total);
-        scale[rr] = kv_scale / total;
-        if (p.attn_sink != nullptr && !split && row < rows) {  // split rows get the sink in combine
-          scale[rr] /= 1.f + __expf(p.attn_sink[row % p.num_heads] - lse);
-        }
-      } else {
-        lse = -INFINITY;  // nothing visible: out 0
-        scale[rr] = 0.f;
-      }
-      if (wg == 0 && lane % 4 == 0 && row < rows) {
-        const int64_t out_row = split ? int64_t{item} * rows + row : int64_t{b} * rows + row;
-        (split ? ws.lse_accum : p.lse)[out_row] = lse;
-      }
-    }
-#pragma unroll
-    for (int i = 0; i < size(tOrO); i += 2) {
-      const int row = m0 + get<0>(tOcO(i));
-      if (row >= rows) continue;
-      const int col = wg * Tr::kOCols + get<1>(tOcO(i));
-      const float sc = scale[half_of(i)];
-      if (split) {
-        float* dst = ws.out_accum + (int64_t{item} * rows + row) * Tr::kDimNope + col;
-        *reinterpret_cast<float2*>(dst) = make_float2(tOrO(i) * sc, tOrO(i + 1) * sc);
-      } else {
-        T* dst = static_cast<T*>(p.out) + (int64_t{b} * rows + row) * Tr::kDimNope + col;
-        *reinterpret_cast<uint32_t*>(dst) = pack2<T>(tOrO(i) * sc, tOrO(i + 1) * sc);
-      }
-    }
+    // Both warpgroups' sums are relative to the same m_run.
+    write_item_output<Tr, T>(p, ws, it, item, m0, l_own, m_run, kv_scale, s_bad_page, sRed, tOrO, tOcO);
   }
 #endif  // sm_90a
 }

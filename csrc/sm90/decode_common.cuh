@@ -1,0 +1,183 @@
+// Per-item pieces the two Hopper decode schedules share (decode_kernel.cuh,
+// the lock-step one, and decode_seesaw.cuh): reading a scheduler item, the
+// query copy, the visible length of a thread's accumulator rows, and the
+// epilogue that normalises O and writes the output or the split partials.
+// Both schedules keep the same accumulator layout (64 rows x 256 output
+// columns per warpgroup, two rows per thread; layout_check.cu), so these
+// take the row base and the CuTe fragments as they are.
+#pragma once
+
+#include "csrc/common/mla_params.h"
+#include "csrc/sm80/api.h"
+#include "csrc/sm80/kv_source.cuh"
+#include "csrc/sm80/request.cuh"
+
+#include <cute/tensor.hpp>
+
+namespace mla_jax {
+namespace sm90 {
+
+// Makes this thread's generic-proxy shared-memory writes (cp.async data
+// once waited for, and st.shared) visible to wgmma, which reads through
+// the async proxy. Must precede the barrier that publishes the data.
+__device__ __forceinline__ void fence_smem_for_wgmma() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+// 2^x in one MUFU.EX2 (flush-to-zero; 2^-inf = 0). exp2f adds range
+// fix-ups around it that cost three more instructions per element.
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// Byte offset of 16-byte chunk `chunk` (8 elements) of row `row` in a
+// LayoutQK tile: 8-row x 128-byte atoms, row atoms first, then 64-column
+// blocks of 8 KB; inside an atom the chunk index is XORed with row % 8
+// (the hardware's 128-byte swizzle). Equal to &tile(row, 8 * chunk).
+__host__ __device__ __forceinline__ int qk_chunk_offset(int row, int chunk) {
+  return (row & 7) * 128 + (row >> 3) * 1024 + (chunk >> 3) * 8192 + (((chunk & 7) ^ (row & 7)) << 4);
+}
+
+// One scheduler item: request b's 64-token blocks [block_begin, block_end),
+// as KV tiles [tile_begin, tile_begin + num_tiles) clipped to its length.
+struct DecodeItem {
+  int b;
+  int splits;        // pieces request b was cut into (1: write the output directly)
+  int64_t seq_len;
+  bool len_ok;       // false: the request's output is NaN
+  int64_t tok_end;   // first token past this item
+  int tile_begin;
+  int num_tiles;     // 0 for an invalid request
+};
+
+template <int kBlockN>
+__device__ __forceinline__ DecodeItem load_item(const PagedDecodeParams& p, const sm80::DecodeWorkspace& ws,
+                                                int item) {
+  static_assert(kBlockN == sm80::kSchedBlockTokens, "one KV tile per scheduler block");
+  DecodeItem it;
+  it.b = ws.items[4 * item];
+  const int block_begin = ws.items[4 * item + 1], block_end = ws.items[4 * item + 2];
+  it.splits = ws.request_meta[2 * it.b + 1];
+  const sm80::RequestSpan span = sm80::request_span(p, ws, it.b);
+  it.seq_len = span.len;
+  it.len_ok = span.valid;
+  it.tok_end = min(it.seq_len, int64_t{block_end} * sm80::kSchedBlockTokens);
+  it.tile_begin = block_begin;
+  it.num_tiles = it.len_ok ? static_cast<int>((it.tok_end + kBlockN - 1) / kBlockN) - it.tile_begin : 0;
+  return it;
+}
+
+// Issues (cp.async, uncommitted) this thread's share of the 64 query rows
+// [m0, m0 + 64) of request b into sQ (LayoutQK); rows past the request's
+// are zero-filled.
+template <typename Tr>
+__device__ __forceinline__ void load_query_rows(const PagedDecodeParams& p, char* sQ_bytes, int b, int m0,
+                                                int tid) {
+  const int rows = p.rows_per_request();
+  const int copy_lane = tid % Tr::kThreadsPerRow;
+  const char* q_nope = static_cast<const char*>(p.q_nope);
+  const char* q_pe = static_cast<const char*>(p.q_pe);
+  for (int r = tid / Tr::kThreadsPerRow; r < Tr::kBlockM; r += Tr::kRowsPerPass) {
+    const bool live = m0 + r < rows;
+    const int64_t grow = int64_t{b} * rows + (live ? m0 + r : 0);
+    const char* qn = q_nope + grow * p.q_nope_row_stride * 2;
+    const char* qp = q_pe + grow * p.q_pe_row_stride * 2;
+#pragma unroll
+    for (int j = 0; j < Tr::kChunksPerThread; ++j) {
+      const int c = copy_lane + j * Tr::kThreadsPerRow;
+      const char* src = c < Tr::kNopeChunks ? qn + c * 16 : qp + (c - Tr::kNopeChunks) * 16;
+      sm80::cp_async_16(sQ_bytes + qk_chunk_offset(r, c), src, live);
+    }
+  }
+}
+
+// Visible length (<= tok_end; tokens past it belong to the next split or do
+// not exist) of this thread's two accumulator rows row_base + 8 rr.
+__device__ __forceinline__ void row_limits(const PagedDecodeParams& p, const DecodeItem& it, int m0, int row_base,
+                                           int (&limit)[2]) {
+  const int rows = p.rows_per_request();
+#pragma unroll
+  for (int rr = 0; rr < 2; ++rr) {
+    const int row = m0 + row_base + 8 * rr;
+    const int qi = row < rows ? row / p.num_heads : 0;
+    limit[rr] = row < rows ? static_cast<int>(min(visible_len(it.seq_len, p.q_len, qi, p.causal), it.tok_end)) : 0;
+  }
+}
+
+// Epilogue of one item. row_sum: this thread's partial softmax sums of its
+// two rows (its columns of its warpgroup's share), relative to row_max (log2
+// domain, the same in both warpgroups); sRed: 2 x 64 floats of shared memory
+// no thread still reads. Writes LSE and O / sum (times kv_scale, and the
+// attention sink's factor when the request is not split) to the output, or
+// to the item's partials when the request is split. NaN rows for invalid
+// requests or bad page ids (s_bad_page: shared flag set by the copies).
+template <typename Tr, typename T, typename FragO, typename CoordO>
+__device__ __forceinline__ void write_item_output(const PagedDecodeParams& p, const sm80::DecodeWorkspace& ws,
+                                                  const DecodeItem& it, int item, int m0, float (&row_sum)[2],
+                                                  const float (&row_max)[2], float kv_scale,
+                                                  const int* s_bad_page, float* sRed, FragO& tOrO,
+                                                  const CoordO& tOcO) {
+  constexpr float kLn2 = 0.6931471805599453f;
+  const int tid = threadIdx.x;
+  const int wg = tid / 128, wg_tid = tid % 128, lane = tid % 32;
+  const int row_base = (wg_tid / 32) * 16 + lane / 4;
+  const int rows = p.rows_per_request();
+#pragma unroll
+  for (int rr = 0; rr < 2; ++rr) {
+    row_sum[rr] += __shfl_xor_sync(0xffffffffu, row_sum[rr], 1);
+    row_sum[rr] += __shfl_xor_sync(0xffffffffu, row_sum[rr], 2);
+  }
+  __syncthreads();  // sRed's last readers are done
+#pragma unroll
+  for (int rr = 0; rr < 2; ++rr)
+    if (lane % 4 == 0) sRed[wg * Tr::kBlockM + row_base + 8 * rr] = row_sum[rr];
+  __syncthreads();
+  const bool bad = !it.len_ok || *s_bad_page != 0;  // read after the barriers: any thread may have set it
+  const bool split = it.splits > 1;
+  float scale[2];
+#pragma unroll
+  for (int rr = 0; rr < 2; ++rr) {
+    const int lrow = row_base + 8 * rr;
+    const int row = m0 + lrow;
+    const float total = sRed[lrow] + sRed[Tr::kBlockM + lrow];
+    float lse;
+    if (bad) {
+      lse = NAN;
+      scale[rr] = NAN;
+    } else if (total > 0.f) {
+      lse = row_max[rr] * kLn2 + logf(total);
+      scale[rr] = kv_scale / total;
+      if (p.attn_sink != nullptr && !split && row < rows) {  // split rows get the sink in combine
+        scale[rr] /= 1.f + __expf(p.attn_sink[row % p.num_heads] - lse);
+      }
+    } else {
+      lse = -INFINITY;  // nothing visible: out 0
+      scale[rr] = 0.f;
+    }
+    if (wg == 0 && lane % 4 == 0 && row < rows) {
+      const int64_t out_row = split ? int64_t{item} * rows + row : int64_t{it.b} * rows + row;
+      (split ? ws.lse_accum : p.lse)[out_row] = lse;
+    }
+  }
+  // Accumulator elements 2k and 2k + 1 are adjacent columns of one row,
+  // in row half (k % 2).
+#pragma unroll
+  for (int i = 0; i < cute::size(tOrO); i += 2) {
+    const int row = m0 + cute::get<0>(tOcO(i));
+    if (row >= rows) continue;
+    const int col = wg * Tr::kOCols + cute::get<1>(tOcO(i));
+    const float sc = scale[(i >> 1) & 1];
+    if (split) {
+      float* dst = ws.out_accum + (int64_t{item} * rows + row) * Tr::kDimNope + col;
+      *reinterpret_cast<float2*>(dst) = make_float2(tOrO(i) * sc, tOrO(i + 1) * sc);
+    } else {
+      T* dst = static_cast<T*>(p.out) + (int64_t{it.b} * rows + row) * Tr::kDimNope + col;
+      *reinterpret_cast<uint32_t*>(dst) = sm80::pack2<T>(tOrO(i) * sc, tOrO(i + 1) * sc);
+    }
+  }
+}
+
+}  // namespace sm90
+}  // namespace mla_jax
