@@ -102,7 +102,6 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   // (measured: no change beyond noise, benchmarks/NOTES.md v2c).
   const int part = blockIdx.y;
   const int m0 = blockIdx.x * kBlockM;
-  const int rows = p.rows_per_request();
   const float kv_scale = p.kv_scale ? *p.kv_scale : 1.0f;
   const float scale_log2 = p.sm_scale * kv_scale * kLog2e;
   const int item_begin = ws.part_begin[part], item_end = ws.part_begin[part + 1];
