@@ -43,7 +43,8 @@ cudaError_t run_scheduler(const PagedDecodeParams& params, const DecodeWorkspace
 cudaError_t run_combine(const PagedDecodeParams& params, const DecodeWorkspace& ws,
                         cudaStream_t stream);
 
-// Decode kernels, one per (query dtype, cache dtype); see decode_*.cu.
+// Decode kernels, one per (query dtype, cache dtype); see decode_*.cu. Each
+// launches the scheduler, then its kernel.
 cudaError_t run_decode_bf16(const PagedDecodeParams& params, const DecodeWorkspace& ws,
                             cudaStream_t stream);
 cudaError_t run_decode_fp16(const PagedDecodeParams& params, const DecodeWorkspace& ws,

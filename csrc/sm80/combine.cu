@@ -13,7 +13,19 @@ namespace mla_jax {
 namespace sm80 {
 namespace {
 
-constexpr int kThreads = 128;  // one float4 of the 512-wide row per thread
+// A CTA merges one row of one request, all of its dv columns (grid.z = 1)
+// or a 128-column slice (grid.z = dv / 128). A warp's lane holds one float4
+// of 128 columns; the warps split the CTA's columns and then the splits. Few
+// rows with many splits (one long request at 12 heads: 12 rows, 132 splits)
+// take the sliced grid, so their reads spread over four times the SMs and
+// loads in flight; large batches keep one CTA per row (fewer, fuller CTAs).
+constexpr int kThreads = 128;
+constexpr int kWarps = kThreads / 32;
+constexpr int kWarpColumns = 128;  // one float4 per lane
+// Below this many (request, row) pairs the grid is sliced by columns: about
+// one wave of 128-thread CTAs on an H100/H200.
+constexpr int64_t kSliceBelowRows = 2048;
+constexpr int kWeightChunk = 256;  // splits whose weights are staged in shared memory at once
 
 template <typename OutT>
 __device__ __forceinline__ void store4(OutT* dst, float4 v);
@@ -32,7 +44,7 @@ __device__ __forceinline__ void store4<__half>(__half* dst, float4 v) {
   *reinterpret_cast<uint2*>(dst) = packed;
 }
 
-// grid: (batch, rows); one CTA per output row.
+// grid: (batch, rows, 1 or dv / kWarpColumns).
 template <typename OutT>
 __global__ void __launch_bounds__(kThreads) combine_kernel(PagedDecodeParams p, DecodeWorkspace ws) {
   const int b = blockIdx.x;
@@ -42,11 +54,12 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(PagedDecodeParams p, 
   const int first = ws.request_meta[2 * b];
   const int rows = p.rows_per_request();
   const int dv = p.kv_lora_rank;
+  const float* lse_split = ws.lse_accum + static_cast<int64_t>(first) * rows + row;  // stride rows
 
   float local_max = -INFINITY;
   bool local_nan = false;
   for (int i = threadIdx.x; i < splits; i += kThreads) {
-    const float l = ws.lse_accum[static_cast<int64_t>(first + i) * rows + row];
+    const float l = lse_split[static_cast<int64_t>(i) * rows];
     local_nan |= isnan(l);
     local_max = fmaxf(local_max, l);
   }
@@ -62,7 +75,7 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(PagedDecodeParams p, 
   float local_sum = 0.f;
   if (row_max != -INFINITY) {
     for (int i = threadIdx.x; i < splits; i += kThreads)
-      local_sum += __expf(ws.lse_accum[static_cast<int64_t>(first + i) * rows + row] - row_max);
+      local_sum += __expf(lse_split[static_cast<int64_t>(i) * rows] - row_max);
   }
   __syncthreads();  // tmp reuse
   const float sum = Reduce(tmp).Sum(local_sum);
@@ -72,28 +85,55 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(PagedDecodeParams p, 
   __syncthreads();
   const float lse = s_lse;
 
-  const int64_t out_row = static_cast<int64_t>(b) * rows + row;
-  // Attention sink (FlashMLA semantics): scale by exp(lse) / (exp(lse) + exp(sink)).
-  const float sink_scale = (p.attn_sink != nullptr && lse != -INFINITY)
-                               ? 1.f / (1.f + __expf(p.attn_sink[row % p.num_heads] - lse))
-                               : 1.f;
-  for (int d = threadIdx.x * 4; d < dv; d += kThreads * 4) {
-    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (any_nan) {
-      acc = make_float4(NAN, NAN, NAN, NAN);
-    } else if (lse != -INFINITY) {
-      for (int i = 0; i < splits; ++i) {
-        const int64_t item = first + i;
-        const float w = __expf(ws.lse_accum[item * rows + row] - lse);
-        if (w == 0.f) continue;  // an empty split holds zeros; skip the read
-        const float4 v = *reinterpret_cast<const float4*>(ws.out_accum + (item * rows + row) * dv + d);
-        acc.x += w * v.x; acc.y += w * v.y; acc.z += w * v.z; acc.w += w * v.w;
-      }
+  // The weights exp(lse_i - lse) go through shared memory a chunk of splits
+  // at a time, so the loop over splits has no global load feeding a branch
+  // and its partial-output loads can overlap. The chunk loop's bounds are
+  // the same for every thread (it holds barriers).
+  __shared__ float s_w[kWeightChunk];
+  __shared__ float4 s_acc[kWarps][32];
+  const int cta_columns = dv / gridDim.z;  // 512 or 128 (dv is 512 on this path)
+  const int column_groups = cta_columns / kWarpColumns;
+  const int split_groups = kWarps / column_groups;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int column_group = warp % column_groups, split_group = warp / column_groups;
+  const int d = blockIdx.z * cta_columns + column_group * kWarpColumns + lane * 4;
+  const int64_t split_stride = static_cast<int64_t>(rows) * dv;
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+  const bool accumulate = !any_nan && lse != -INFINITY;
+  for (int c0 = 0; accumulate && c0 < splits; c0 += kWeightChunk) {
+    const int n = min(kWeightChunk, splits - c0);
+    __syncthreads();  // the previous chunk's weights are read
+    for (int i = threadIdx.x; i < n; i += kThreads)
+      s_w[i] = __expf(lse_split[static_cast<int64_t>(c0 + i) * rows] - lse);
+    __syncthreads();
+    const float* src = ws.out_accum + (static_cast<int64_t>(first + c0) * rows + row) * dv + d;
+#pragma unroll 4
+    for (int i = split_group; i < n; i += split_groups) {
+      const float w = s_w[i];
+      // An empty split (w = 0) may hold anything: its partials are not read.
+      const float4 v = w != 0.f ? *reinterpret_cast<const float4*>(src + i * split_stride)
+                                : make_float4(0.f, 0.f, 0.f, 0.f);
+      acc.x += w * v.x; acc.y += w * v.y; acc.z += w * v.z; acc.w += w * v.w;
     }
-    acc.x *= sink_scale; acc.y *= sink_scale; acc.z *= sink_scale; acc.w *= sink_scale;
-    store4(static_cast<OutT*>(p.out) + out_row * dv + d, acc);
   }
-  if (threadIdx.x == 0) p.lse[out_row] = lse;
+  if (split_groups > 1) {  // sum the split groups' partial sums into group 0
+    s_acc[warp][lane] = acc;
+    __syncthreads();
+    if (split_group != 0) return;
+    for (int g = 1; g < split_groups; ++g) {
+      const float4 o = s_acc[warp + g * column_groups][lane];
+      acc.x += o.x; acc.y += o.y; acc.z += o.z; acc.w += o.w;
+    }
+  }
+  if (any_nan) acc = make_float4(NAN, NAN, NAN, NAN);
+  // Attention sink (FlashMLA semantics): scale by exp(lse) / (exp(lse) + exp(sink)).
+  if (p.attn_sink != nullptr && lse != -INFINITY) {
+    const float sink_scale = 1.f / (1.f + __expf(p.attn_sink[row % p.num_heads] - lse));
+    acc.x *= sink_scale; acc.y *= sink_scale; acc.z *= sink_scale; acc.w *= sink_scale;
+  }
+  const int64_t out_row = static_cast<int64_t>(b) * rows + row;
+  store4(static_cast<OutT*>(p.out) + out_row * dv + d, acc);
+  if (blockIdx.z == 0 && threadIdx.x == 0) p.lse[out_row] = lse;
 }
 
 }  // namespace
@@ -102,7 +142,9 @@ cudaError_t run_combine(const PagedDecodeParams& params, const DecodeWorkspace& 
                         cudaStream_t stream) {
   const int rows = params.rows_per_request();
   if (params.batch == 0 || rows == 0) return cudaSuccess;
-  dim3 grid(params.batch, rows);
+  // dv (512, checked by the caller) is a multiple of kWarps x kWarpColumns.
+  const bool sliced = int64_t{params.batch} * rows < kSliceBelowRows;
+  dim3 grid(params.batch, rows, sliced ? params.kv_lora_rank / kWarpColumns : 1);
   if (params.q_type == ElemType::kBF16) {
     combine_kernel<__nv_bfloat16><<<grid, kThreads, 0, stream>>>(params, ws);
   } else {

@@ -490,6 +490,8 @@ cudaError_t launch_decode(const PagedDecodeParams& p, const DecodeWorkspace& ws,
   // Per call, not cached: the attribute belongs to the current device.
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes);
   if (err != cudaSuccess) return err;
+  err = run_scheduler(p, ws, stream);  // after the host work: see paged_decode
+  if (err != cudaSuccess) return err;
   const int rows = p.rows_per_request();
   dim3 grid(ws.num_parts, (rows + Tr::kBlockM - 1) / Tr::kBlockM);
   kernel<<<grid, Tr::kThreads, Tr::kSmemBytes, stream>>>(p, ws);

@@ -45,6 +45,16 @@ __device__ __forceinline__ int part_of(int64_t pos, int64_t total, int parts) {
   return static_cast<int>(p < parts - 1 ? p : parts - 1);
 }
 
+// Where a request sits on the work line and how its items cut it: what a
+// thread writing one of the request's items needs.
+struct RequestCut {
+  int64_t first_block_pos;  // line position of the request's first KV block
+  int n;                    // KV blocks
+  int p_first;              // partition of the first block
+  int natural;              // partitions the blocks span
+  int count;                // items (natural, or capped by max_num_splits)
+};
+
 __global__ void __launch_bounds__(kThreads) schedule_kernel(PagedDecodeParams p, DecodeWorkspace ws) {
   using Reduce = cub::BlockReduce<int64_t, kThreads>;
   using Scan = cub::BlockScan<longlong2, kThreads>;
@@ -54,6 +64,12 @@ __global__ void __launch_bounds__(kThreads) schedule_kernel(PagedDecodeParams p,
   } tmp;
   __shared__ int64_t s_total;
   __shared__ longlong2 s_carry;  // (items, work) before the current chunk
+  // The current chunk's requests: first item (chunk-relative; entry kThreads
+  // = the chunk's item count) and cut. Items are then written one per
+  // thread: a single long request split over every partition must not
+  // leave one thread writing them all (that took ~35 us for 132 splits).
+  __shared__ int s_item_first[kThreads + 1];
+  __shared__ RequestCut s_cut[kThreads];
   const int tid = threadIdx.x;
   const int batch = p.batch;
 
@@ -69,19 +85,19 @@ __global__ void __launch_bounds__(kThreads) schedule_kernel(PagedDecodeParams p,
   const int64_t work = s_total;
   const int64_t wanted = (work + kMinPartWork - 1) / kMinPartWork;
   const int parts = static_cast<int>(wanted < ws.num_parts ? (wanted > 0 ? wanted : 1) : ws.num_parts);
+  const auto add = [](const longlong2& x, const longlong2& y) { return make_longlong2(x.x + y.x, x.y + y.y); };
 
-  // 2. Per chunk of requests: place on the line (scan), the partitions its
-  //    blocks fall in, and its items (second scan for the item offsets).
+  // 2. Per chunk of requests: place each on the line (scan), find the
+  //    partitions its blocks fall in and its item offsets (second scan),
+  //    then write the chunk's items, one per thread.
   for (int base = 0; base < batch; base += kThreads) {
     const int b = base + tid;
     int n = 0, count = 0, p_first = 0, p_last = 0;
     longlong2 before = make_longlong2(0, 0), chunk_total;
     if (b < batch) n = num_blocks_of(p, ws, b);
     // The work position depends on earlier requests only: scan it first.
-    Scan(tmp.scan).ExclusiveScan(
-        make_longlong2(0, b < batch ? n + kSplitOverhead : 0), before, make_longlong2(0, 0),
-        [](const longlong2& x, const longlong2& y) { return make_longlong2(x.x + y.x, x.y + y.y); },
-        chunk_total);
+    Scan(tmp.scan).ExclusiveScan(make_longlong2(0, b < batch ? n + kSplitOverhead : 0), before,
+                                 make_longlong2(0, 0), add, chunk_total);
     const longlong2 carry = s_carry;
     const int64_t first_block_pos = carry.y + before.y + kSplitOverhead;
     if (b < batch) {
@@ -96,53 +112,55 @@ __global__ void __launch_bounds__(kThreads) schedule_kernel(PagedDecodeParams p,
     }
     __syncthreads();  // tmp.scan is reused
     longlong2 item_before, item_total;
-    Scan(tmp.scan).ExclusiveScan(
-        make_longlong2(count, 0), item_before, make_longlong2(0, 0),
-        [](const longlong2& x, const longlong2& y) { return make_longlong2(x.x + y.x, x.y + y.y); },
-        item_total);
+    Scan(tmp.scan).ExclusiveScan(make_longlong2(count, 0), item_before, make_longlong2(0, 0), add, item_total);
+    // Every request has at least one item, so s_item_first is strictly
+    // increasing over the chunk's requests (entries past the batch hold the
+    // chunk's item count).
+    s_item_first[tid] = static_cast<int>(item_before.x);
+    if (tid == 0) s_item_first[kThreads] = static_cast<int>(item_total.x);
+    s_cut[tid] = RequestCut{first_block_pos, n, p_first, p_last - p_first + 1, count};
     if (b < batch) {
-      const int first = static_cast<int>(carry.x + item_before.x);
-      ws.request_meta[2 * b] = first;
+      ws.request_meta[2 * b] = static_cast<int>(carry.x + item_before.x);
       ws.request_meta[2 * b + 1] = count;
-      const int natural = p_last - p_first + 1;
-      for (int k = 0; k < count; ++k) {
-        int32_t* item = ws.items + 4 * static_cast<int64_t>(first + k);
-        int begin, end, part;
-        if (count == natural) {  // cut at the partition bounds
-          part = p_first + k;
-          const int64_t lo = bound(part, work, parts) - first_block_pos;
-          const int64_t hi = bound(part + 1, work, parts) - first_block_pos;
-          begin = k == 0 ? 0 : static_cast<int>(lo);
-          end = k == count - 1 ? n : static_cast<int>(hi);
-        } else {  // capped: equal pieces, each placed in the partition of its start
-          begin = static_cast<int>(int64_t{k} * n / count);
-          end = static_cast<int>(int64_t{k + 1} * n / count);
-          part = p_first + static_cast<int>(int64_t{k} * natural / count);
-        }
-        item[0] = b;
-        item[1] = begin;
-        item[2] = end;
-        item[3] = part;
-      }
     }
-    __syncthreads();  // everyone has read s_carry and used tmp.scan
+    __syncthreads();
+    for (int j = tid; j < item_total.x; j += kThreads) {
+      int lo = 0, hi = kThreads - 1;  // the last request whose first item is <= j
+      while (lo < hi) {
+        const int mid = (lo + hi + 1) / 2;
+        if (s_item_first[mid] <= j) lo = mid; else hi = mid - 1;
+      }
+      const RequestCut c = s_cut[lo];
+      const int k = j - s_item_first[lo];
+      int begin, end, part;
+      if (c.count == c.natural) {  // cut at the partition bounds
+        part = c.p_first + k;
+        begin = k == 0 ? 0 : static_cast<int>(bound(part, work, parts) - c.first_block_pos);
+        end = k == c.count - 1 ? c.n : static_cast<int>(bound(part + 1, work, parts) - c.first_block_pos);
+      } else {  // capped: equal pieces, each placed in the partition of its start
+        begin = static_cast<int>(int64_t{k} * c.n / c.count);
+        end = static_cast<int>(int64_t{k + 1} * c.n / c.count);
+        part = c.p_first + static_cast<int>(int64_t{k} * c.natural / c.count);
+      }
+      int4* item = reinterpret_cast<int4*>(ws.items) + carry.x + j;
+      *item = make_int4(base + lo, begin, end, part);
+    }
+    __syncthreads();  // everyone has read s_carry and the chunk's shared arrays
     if (tid == 0) s_carry = make_longlong2(carry.x + item_total.x, carry.y + chunk_total.y);
     __syncthreads();
   }
   const int num_items = static_cast<int>(s_carry.x);
 
-  // 3. Partition boundaries: part_begin[q] = first item whose part >= q.
+  // 3. Partition boundaries: part_begin[q] = first item whose part >= q
+  //    (the items' writes above are visible after the block barrier).
   for (int i = tid; i < num_items; i += kThreads) {
     const int q = ws.items[4 * i + 3];
     const int q_prev = i == 0 ? -1 : ws.items[4 * (i - 1) + 3];
     for (int k = q_prev + 1; k <= q; ++k) ws.part_begin[k] = i;
-    if (i == num_items - 1) {  // unused partitions (>= parts) get no items
-      for (int k = q + 1; k <= ws.num_parts; ++k) ws.part_begin[k] = num_items;
-    }
   }
-  if (num_items == 0) {
-    for (int k = tid; k <= ws.num_parts; k += kThreads) ws.part_begin[k] = 0;
-  }
+  // Partitions after the last item's (unused ones included) get no items.
+  const int last_part = num_items > 0 ? ws.items[4 * (num_items - 1) + 3] : -1;
+  for (int k = last_part + 1 + tid; k <= ws.num_parts; k += kThreads) ws.part_begin[k] = num_items;
 }
 
 }  // namespace
