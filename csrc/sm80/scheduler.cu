@@ -25,9 +25,10 @@ constexpr int kSplitOverhead = 2;
 // Least work (blocks) worth a partition of its own: below it, a split's
 // fixed cost (query load, partial write, combine read) outweighs the
 // parallelism, so small batches use fewer partitions. Measured on the H200
-// for one 4k request at H = 128 (benchmarks/NOTES.md, v2): 47.4 us with 8,
-// 58.3 us with 1 (Hopper kernel); the portable kernel preferred 1.
-constexpr int kMinPartWork = 8;
+// for one 4k request at H = 128 (benchmarks/NOTES.md, v5): 2 / 3 / 4 / 8 ->
+// 29.1 / 31.4 / 34.9 / 41.0 us device span, 30.9 / 23.3 / - / 36.0 us in the
+// benchmark; 1 was slower still with the v2 scheduler (58.7 us).
+constexpr int kMinPartWork = 3;
 
 // An invalid request has no blocks: one empty item writes its NaN output.
 __device__ __forceinline__ int num_blocks_of(const PagedDecodeParams& p, const DecodeWorkspace& ws, int b) {
