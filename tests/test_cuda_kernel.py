@@ -85,6 +85,18 @@ def test_long_single_request_splits(max_num_splits):
   _check(*_run(d, plan, jnp.bfloat16))
 
 
+def test_requests_across_scheduler_chunks():
+  # More requests than the scheduler's 256-thread chunk: request metadata,
+  # items and their split cuts carry over from chunk to chunk, and long
+  # requests in the first, second and third chunk are split.
+  rng = np.random.default_rng(13)
+  lens = rng.integers(0, 300, size=600)
+  lens[[3, 299, 598]] = [9000, 7000, 12000]
+  d = random_paged_inputs(rng, lens, num_heads=16, page_size=64)
+  plan = mla_jax.DecodePlan(num_heads=16, page_size=64, sm_scale=SM_SCALE, backend="cuda")
+  _check(*_run(d, plan, jnp.bfloat16))
+
+
 def test_mtp_causal_split():
   rng = np.random.default_rng(11)
   d = random_paged_inputs(rng, [1, 2, 3, 9000, 64], num_heads=16, page_size=64, q_len=4)
