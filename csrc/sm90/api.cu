@@ -12,7 +12,15 @@ bool selected(const PagedDecodeParams& p) {
   if (force_portable != nullptr && force_portable[0] != '\0' && force_portable[0] != '0') return false;
   if (p.kv_format != KvFormat::kPlain || p.kv_type != p.q_type) return false;
   if (p.q_type != ElemType::kBF16 && p.q_type != ElemType::kF16) return false;
-  if (sm80::rows_per_cta(p.rows_per_request()) != 64) return false;
+  // Fewer than 64 rows (H = 1-32 at q_len 1) run in one 64-row block with the
+  // missing rows zero-filled: 4x the tensor work at 16 heads, but these
+  // calls are bound by reading the cache, which the seesaw schedule's TMA
+  // loads do faster than the portable kernel's cp.async (16-head rows:
+  // 85-98 % of the copy ceiling with the portable kernel, 105 % at 64 heads
+  // with the seesaw). Without TMA (pages below 64 tokens, sparse indices)
+  // the portable kernel's 16- and 32-row blocks stay.
+  const bool tma_pages = p.indices == nullptr && p.page_size % 64 == 0;
+  if (sm80::rows_per_cta(p.rows_per_request()) != 64 && !tma_pages) return false;
   // The kernel addresses cache row page * page_size + slot with the token
   // stride alone (true of every cache ffi/decode_args.cc describes).
   if (p.ckv_page_stride != int64_t{p.page_size} * p.ckv_token_stride ||
