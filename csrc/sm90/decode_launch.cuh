@@ -23,11 +23,16 @@ cudaError_t launch_decode(const PagedDecodeParams& p, const DecodeWorkspace& ws,
   // Per call, not cached: the attribute belongs to the current device.
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemAlloc);
   if (err != cudaSuccess) return err;
-  err = sm80::run_scheduler(p, ws, stream);  // after the host work: see sm80::paged_decode
-  if (err != cudaSuccess) return err;
+  // Small batches: the seesaw kernel schedules itself (no scheduler kernel).
+  DecodeWorkspace w = ws;
+  w.inline_schedule = seesaw && p.batch <= sm80::kInlineScheduleMaxBatch;
+  if (!w.inline_schedule) {
+    err = sm80::run_scheduler(p, w, stream);  // after the host work: see sm80::paged_decode
+    if (err != cudaSuccess) return err;
+  }
   const int rows = p.rows_per_request();
-  dim3 grid((rows + Tr::kBlockM - 1) / Tr::kBlockM, ws.num_parts);
-  kernel<<<grid, Tr::kThreads, Tr::kSmemAlloc, stream>>>(p, ws, tma);
+  dim3 grid((rows + Tr::kBlockM - 1) / Tr::kBlockM, w.num_parts);
+  kernel<<<grid, Tr::kThreads, Tr::kSmemAlloc, stream>>>(p, w, tma);
   return cudaGetLastError();
 }
 
