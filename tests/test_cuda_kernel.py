@@ -153,21 +153,25 @@ def test_deterministic_and_matches_cpu_backend():
     np.testing.assert_array_equal(r, runs[0])
 
 
-@pytest.fixture(params=["default", "lockstep", "portable"])
+@pytest.fixture(params=["default", "scheduler_kernel", "lockstep", "portable"])
 def kernel_choice(request, monkeypatch):
   """Runs a test with each kernel that can serve 64-row blocks on sm_90: the
   default (the seesaw wgmma kernel where the cache loads with TMA, i.e.
-  page_size a multiple of 64, else the lock-step wgmma kernel),
+  page_size a multiple of 64, else the lock-step wgmma kernel; the seesaw
+  schedules batches of up to 32 requests itself), MLA_JAX_SCHEDULER_KERNEL=1
+  (the same with the scheduler kernel for every batch),
   MLA_JAX_SM90_LOCKSTEP=1 (the lock-step kernel everywhere, TMA or cp.async
   loads) and MLA_JAX_PORTABLE_KERNEL=1 (the mma.sync kernel). The handler
   reads the variables on every call; clearing JAX's caches keeps a command
   buffer recorded under another setting from being replayed."""
-  monkeypatch.delenv("MLA_JAX_PORTABLE_KERNEL", raising=False)
-  monkeypatch.delenv("MLA_JAX_SM90_LOCKSTEP", raising=False)
+  for name in ("MLA_JAX_PORTABLE_KERNEL", "MLA_JAX_SM90_LOCKSTEP", "MLA_JAX_SCHEDULER_KERNEL"):
+    monkeypatch.delenv(name, raising=False)
   if request.param == "portable":
     monkeypatch.setenv("MLA_JAX_PORTABLE_KERNEL", "1")
   elif request.param == "lockstep":
     monkeypatch.setenv("MLA_JAX_SM90_LOCKSTEP", "1")
+  elif request.param == "scheduler_kernel":
+    monkeypatch.setenv("MLA_JAX_SCHEDULER_KERNEL", "1")
   jax.clear_caches()
   yield request.param
   jax.clear_caches()

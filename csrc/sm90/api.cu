@@ -1,6 +1,5 @@
 // Host side of the Hopper decode: when to use it.
-#include <cstdlib>
-
+#include "csrc/common/env_flag.h"
 #include "csrc/sm90/api.h"
 
 namespace mla_jax {
@@ -8,8 +7,7 @@ namespace sm90 {
 
 bool selected(const PagedDecodeParams& p) {
 #if defined(MLA_JAX_SM90A)
-  const char* force_portable = std::getenv("MLA_JAX_PORTABLE_KERNEL");
-  if (force_portable != nullptr && force_portable[0] != '\0' && force_portable[0] != '0') return false;
+  if (env_flag("MLA_JAX_PORTABLE_KERNEL")) return false;
   if (p.kv_format != KvFormat::kPlain || p.kv_type != p.q_type) return false;
   if (p.q_type != ElemType::kBF16 && p.q_type != ElemType::kF16) return false;
   // Fewer than 64 rows (H = 1-32 at q_len 1) run in one 64-row block with the
