@@ -23,7 +23,7 @@ constexpr int kSchedBlockTokens = 64;
 struct DecodeWorkspace {
   int32_t* request_meta = nullptr;  // [batch, 2]: first item, number of splits
   int32_t* part_begin = nullptr;    // [num_parts + 1]: first item of each partition
-  int32_t* items = nullptr;         // [max_items, 4]: request, block begin, block end, start load
+  int32_t* items = nullptr;         // [max_items, 4]: request, block begin, block end, partition
   float* out_accum = nullptr;       // [max_items, rows, kv_lora_rank]: normalised partial outputs
   float* lse_accum = nullptr;       // [max_items, rows]: partial LSEs (natural log)
   int num_parts = 1;
