@@ -1,6 +1,7 @@
 // Host side of the Hopper decode: when to use it.
 #include "csrc/common/env_flag.h"
 #include "csrc/sm90/api.h"
+#include "csrc/sm90/kv_tma.h"
 
 namespace mla_jax {
 namespace sm90 {
@@ -15,10 +16,12 @@ bool selected(const PagedDecodeParams& p) {
   // calls are bound by reading the cache, which the seesaw schedule's TMA
   // loads do faster than the portable kernel's cp.async (16-head rows:
   // 85-98 % of the copy ceiling with the portable kernel, 105 % at 64 heads
-  // with the seesaw). Without TMA (pages below 64 tokens, sparse indices)
-  // the portable kernel's 16- and 32-row blocks stay.
-  const bool tma_pages = p.indices == nullptr && p.page_size % 64 == 0;
-  if (sm80::rows_per_cta(p.rows_per_request()) != 64 && !tma_pages) return false;
+  // with the seesaw). Without TMA (kv_tma_applies: pages below 64 tokens,
+  // sparse indices, unaligned caches), or with the lock-step schedule
+  // forced, the portable kernel's 16- and 32-row blocks stay.
+  if (sm80::rows_per_cta(p.rows_per_request()) != 64 &&
+      (!kv_tma_applies(p) || env_flag("MLA_JAX_SM90_LOCKSTEP")))
+    return false;
   // The kernel addresses cache row page * page_size + slot with the token
   // stride alone (true of every cache ffi/decode_args.cc describes).
   if (p.ckv_page_stride != int64_t{p.page_size} * p.ckv_token_stride ||
