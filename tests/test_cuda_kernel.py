@@ -153,21 +153,25 @@ def test_deterministic_and_matches_cpu_backend():
     np.testing.assert_array_equal(r, runs[0])
 
 
-@pytest.fixture(params=["default", "lockstep", "portable"])
+@pytest.fixture(params=["default", "scheduler_kernel", "lockstep", "portable"])
 def kernel_choice(request, monkeypatch):
   """Runs a test with each kernel that can serve 64-row blocks on sm_90: the
   default (the seesaw wgmma kernel where the cache loads with TMA, i.e.
-  page_size a multiple of 64, else the lock-step wgmma kernel),
+  page_size a multiple of 64, else the lock-step wgmma kernel; the seesaw
+  schedules batches of up to 32 requests itself), MLA_JAX_SCHEDULER_KERNEL=1
+  (the same with the scheduler kernel for every batch),
   MLA_JAX_SM90_LOCKSTEP=1 (the lock-step kernel everywhere, TMA or cp.async
   loads) and MLA_JAX_PORTABLE_KERNEL=1 (the mma.sync kernel). The handler
   reads the variables on every call; clearing JAX's caches keeps a command
   buffer recorded under another setting from being replayed."""
-  monkeypatch.delenv("MLA_JAX_PORTABLE_KERNEL", raising=False)
-  monkeypatch.delenv("MLA_JAX_SM90_LOCKSTEP", raising=False)
+  for name in ("MLA_JAX_PORTABLE_KERNEL", "MLA_JAX_SM90_LOCKSTEP", "MLA_JAX_SCHEDULER_KERNEL"):
+    monkeypatch.delenv(name, raising=False)
   if request.param == "portable":
     monkeypatch.setenv("MLA_JAX_PORTABLE_KERNEL", "1")
   elif request.param == "lockstep":
     monkeypatch.setenv("MLA_JAX_SM90_LOCKSTEP", "1")
+  elif request.param == "scheduler_kernel":
+    monkeypatch.setenv("MLA_JAX_SCHEDULER_KERNEL", "1")
   jax.clear_caches()
   yield request.param
   jax.clear_caches()
@@ -180,6 +184,8 @@ def kernel_choice(request, monkeypatch):
     (64, 4, 64, jnp.float16),
     (128, 2, 32, jnp.bfloat16),
     (33, 1, 64, jnp.bfloat16),
+    (16, 1, 64, jnp.bfloat16),   # fewer than 64 rows: one zero-filled 64-row block on sm_90
+    (1, 2, 256, jnp.float16),
 ])
 def test_64_row_blocks_both_kernels(kernel_choice, heads, q_len, page_size, dtype):
   rng = np.random.default_rng(heads + 7 * q_len + page_size)
@@ -188,6 +194,39 @@ def test_64_row_blocks_both_kernels(kernel_choice, heads, q_len, page_size, dtyp
   plan = mla_jax.DecodePlan(num_heads=heads, page_size=page_size, sm_scale=SM_SCALE, q_len=q_len,
                             backend="cuda")
   _check(*_run(d, plan, dtype))
+
+
+@pytest.mark.parametrize("heads,max_num_splits", [(128, None), (128, 3), (16, None)])
+def test_inline_schedule_matches_scheduler_kernel_bitwise(monkeypatch, heads, max_num_splits):
+  # Batches of up to 32 requests are scheduled inside the decode kernel on
+  # sm_90 (elsewhere both runs take the scheduler kernel): the same items in
+  # the same order, so the outputs must agree bit for bit.
+  rng = np.random.default_rng(19 + heads)
+  d = random_paged_inputs(rng, [0, 1, 700, 9000, 64, 3000, 20000], num_heads=heads, page_size=64)
+  plan = mla_jax.DecodePlan(num_heads=heads, page_size=64, sm_scale=SM_SCALE, backend="cuda",
+                            max_num_splits=max_num_splits)
+  results = []
+  for flag in ("0", "1"):
+    monkeypatch.setenv("MLA_JAX_SCHEDULER_KERNEL", flag)
+    jax.clear_caches()
+    results.append(_run(d, plan, jnp.bfloat16))
+  jax.clear_caches()
+  _check(*results[0])
+  np.testing.assert_array_equal(results[0][0], results[1][0])
+  np.testing.assert_array_equal(results[0][1], results[1][1])
+
+
+def test_bad_page_in_split_request_many_rows():
+  # 20 requests x 128 heads: enough (request, row) pairs for the
+  # warp-per-row combine, whose NaN path a bad page in a split request takes.
+  rng = np.random.default_rng(23)
+  lens = [9000, 300, 9000, 50, 12000] + [700] * 15
+  d = random_paged_inputs(rng, lens, num_heads=128, page_size=64)
+  d["block_table"][2, 120] = d["kv_cache"].shape[0] + 9   # out of range, live, in a split request
+  plan = mla_jax.DecodePlan(num_heads=128, page_size=64, sm_scale=SM_SCALE, backend="cuda")
+  out, lse, ref_out, ref_lse = _run(d, plan, jnp.bfloat16)
+  assert np.isnan(ref_lse[2]).all() and np.isfinite(ref_lse[[0, 1, 3, 4]]).all()
+  _check(out, lse, ref_out, ref_lse)
 
 
 def test_64_row_blocks_bad_inputs(kernel_choice):

@@ -30,6 +30,9 @@ struct DecodeWorkspace {
   int max_items = 0;                // >= batch + num_parts
   int max_num_splits = 0;           // cap on splits per request; 0 = none
   int sparse_group = 1;             // sparse mode: query tokens per batch entry
+  // true: the decode kernel schedules inline (schedule_inline.cuh); items
+  // and part_begin are not used, request_meta is written by the decode kernel.
+  bool inline_schedule = false;
 };
 
 // Rows (q_len x heads) handled by one CTA for a given request row count.

@@ -13,17 +13,19 @@ namespace mla_jax {
 namespace sm80 {
 namespace {
 
-// A CTA merges one row of one request, all of its dv columns (grid.z = 1)
-// or a 128-column slice (grid.z = dv / 128). A warp's lane holds one float4
-// of 128 columns; the warps split the CTA's columns and then the splits. Few
-// rows with many splits (one long request at 12 heads: 12 rows, 132 splits)
-// take the sliced grid, so their reads spread over four times the SMs and
-// loads in flight; large batches keep one CTA per row (fewer, fuller CTAs).
+// Two grids. Few (request, row) pairs (one long request at 12 heads: 12 rows,
+// 132 splits): combine_kernel, a CTA per row and 128-column slice whose four
+// warps split the splits, so the reads spread over many SMs. Many pairs:
+// combine_rows_kernel, a warp per row over all of its columns, eight rows per
+// CTA: no block barriers, the split weights pass between lanes by shuffles,
+// and each lane keeps four independent 16-byte loads per split in flight.
 constexpr int kThreads = 128;
 constexpr int kWarps = kThreads / 32;
 constexpr int kWarpColumns = 128;  // one float4 per lane
-// Below this many (request, row) pairs the grid is sliced by columns: about
-// one wave of 128-thread CTAs on an H100/H200.
+constexpr int kRowWarps = 8;       // rows per CTA of combine_rows_kernel
+constexpr int kRowFloat4s = 4;     // float4s per lane of a 512-column row
+// Below this many (request, row) pairs the sliced grid is used: about one
+// wave of 128-thread CTAs on an H100/H200.
 constexpr int64_t kSliceBelowRows = 2048;
 constexpr int kWeightChunk = 256;  // splits whose weights are staged in shared memory at once
 
@@ -136,19 +138,112 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(PagedDecodeParams p, 
   if (blockIdx.z == 0 && threadIdx.x == 0) p.lse[out_row] = lse;
 }
 
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// grid: (batch, ceil(rows / kRowWarps)); warp w of CTA (b, y) merges row
+// y * kRowWarps + w of request b. dv must be 32 * 4 * kRowFloat4s (512).
+template <typename OutT>
+__global__ void __launch_bounds__(kRowWarps * 32) combine_rows_kernel(PagedDecodeParams p, DecodeWorkspace ws) {
+  constexpr unsigned kAll = 0xffffffffu;
+  constexpr int kDv = 32 * 4 * kRowFloat4s;
+  const int b = blockIdx.x;
+  const int splits = ws.request_meta[2 * b + 1];
+  if (splits <= 1) return;
+  const int rows = p.rows_per_request();
+  const int row = blockIdx.y * kRowWarps + static_cast<int>(threadIdx.x) / 32;
+  if (row >= rows) return;  // warp-uniform; no block barriers follow
+  const int lane = threadIdx.x % 32;
+  const int first = ws.request_meta[2 * b];
+  const float* lse_split = ws.lse_accum + static_cast<int64_t>(first) * rows + row;  // stride rows
+
+  // LSE of the row over its splits (lane i holds splits i, i + 32, ...).
+  float row_max = -INFINITY;
+  bool nan = false;
+  for (int i = lane; i < splits; i += 32) {
+    const float l = lse_split[static_cast<int64_t>(i) * rows];
+    nan |= isnan(l);
+    row_max = fmaxf(row_max, l);
+  }
+  nan = __any_sync(kAll, nan);
+  row_max = warp_max(row_max);
+  float sum = 0.f;
+  if (row_max != -INFINITY) {
+    for (int i = lane; i < splits; i += 32) sum += __expf(lse_split[static_cast<int64_t>(i) * rows] - row_max);
+  }
+  sum = warp_sum(sum);
+  const float lse = nan ? NAN : (row_max == -INFINITY ? -INFINITY : row_max + logf(sum));
+
+  float4 acc[kRowFloat4s];
+#pragma unroll
+  for (int k = 0; k < kRowFloat4s; ++k) acc[k] = make_float4(0.f, 0.f, 0.f, 0.f);
+  if (!nan && lse != -INFINITY) {
+    const int64_t split_stride = static_cast<int64_t>(rows) * kDv;
+    const float* src = ws.out_accum + (static_cast<int64_t>(first) * rows + row) * kDv + lane * 4;
+    for (int c0 = 0; c0 < splits; c0 += 32) {
+      const int n = min(32, splits - c0);
+      const float w_lane = lane < n ? __expf(lse_split[static_cast<int64_t>(c0 + lane) * rows] - lse) : 0.f;
+#pragma unroll 2
+      for (int j = 0; j < n; ++j) {
+        const float w = __shfl_sync(kAll, w_lane, j);
+        // An empty split (w = 0) may hold anything: its partials are not
+        // read (w is the same in every lane, so the branch is uniform).
+        if (w == 0.f) continue;
+        const float* s = src + (c0 + j) * split_stride;
+        float4 v[kRowFloat4s];
+#pragma unroll
+        for (int k = 0; k < kRowFloat4s; ++k) v[k] = *reinterpret_cast<const float4*>(s + k * 128);
+#pragma unroll
+        for (int k = 0; k < kRowFloat4s; ++k) {
+          acc[k].x += w * v[k].x; acc[k].y += w * v[k].y; acc[k].z += w * v[k].z; acc[k].w += w * v[k].w;
+        }
+      }
+    }
+  }
+  float scale = 1.f;
+  // Attention sink (FlashMLA semantics): scale by exp(lse) / (exp(lse) + exp(sink)).
+  if (p.attn_sink != nullptr && lse != -INFINITY) scale = 1.f / (1.f + __expf(p.attn_sink[row % p.num_heads] - lse));
+  if (nan) scale = NAN;
+  const int64_t out_row = static_cast<int64_t>(b) * rows + row;
+  OutT* dst = static_cast<OutT*>(p.out) + out_row * kDv + lane * 4;
+#pragma unroll
+  for (int k = 0; k < kRowFloat4s; ++k)
+    store4(dst + k * 128, make_float4(acc[k].x * scale, acc[k].y * scale, acc[k].z * scale, acc[k].w * scale));
+  if (lane == 0) p.lse[out_row] = lse;
+}
+
 }  // namespace
 
 cudaError_t run_combine(const PagedDecodeParams& params, const DecodeWorkspace& ws,
                         cudaStream_t stream) {
   const int rows = params.rows_per_request();
   if (params.batch == 0 || rows == 0) return cudaSuccess;
-  // dv (512, checked by the caller) is a multiple of kWarps x kWarpColumns.
-  const bool sliced = int64_t{params.batch} * rows < kSliceBelowRows;
-  dim3 grid(params.batch, rows, sliced ? params.kv_lora_rank / kWarpColumns : 1);
-  if (params.q_type == ElemType::kBF16) {
-    combine_kernel<__nv_bfloat16><<<grid, kThreads, 0, stream>>>(params, ws);
+  // dv is 512 here (checked by the caller): a multiple of kWarps x
+  // kWarpColumns, and the row width combine_rows_kernel assumes.
+  const bool bf16 = params.q_type == ElemType::kBF16;
+  if (int64_t{params.batch} * rows < kSliceBelowRows) {
+    dim3 grid(params.batch, rows, params.kv_lora_rank / kWarpColumns);
+    if (bf16) {
+      combine_kernel<__nv_bfloat16><<<grid, kThreads, 0, stream>>>(params, ws);
+    } else {
+      combine_kernel<__half><<<grid, kThreads, 0, stream>>>(params, ws);
+    }
   } else {
-    combine_kernel<__half><<<grid, kThreads, 0, stream>>>(params, ws);
+    dim3 grid(params.batch, (rows + kRowWarps - 1) / kRowWarps);
+    if (bf16) {
+      combine_rows_kernel<__nv_bfloat16><<<grid, kRowWarps * 32, 0, stream>>>(params, ws);
+    } else {
+      combine_rows_kernel<__half><<<grid, kRowWarps * 32, 0, stream>>>(params, ws);
+    }
   }
   return cudaGetLastError();
 }

@@ -1,9 +1,9 @@
 // Host entry points of the Hopper (sm_90a) decode kernel.
 //
-// It replaces the portable kernel's 64-row configuration (q_len x heads
-// > 32: H = 64, 96, 128 and MTP) for bf16/fp16 caches on sm_90 devices,
-// with two schedules (decode_launch.cuh): seesaw for TMA-loadable caches,
-// lock-step otherwise.
+// It replaces the portable kernel for bf16/fp16 caches on sm_90 devices:
+// for 64-row blocks (q_len x heads > 32: H = 64, 96, 128 and MTP) with two
+// schedules (decode_launch.cuh), seesaw for TMA-loadable caches, lock-step
+// otherwise; for fewer rows only where the pages allow TMA (api.cu).
 // The scheduler, the scratch layout and the combine kernel are the
 // portable path's (csrc/sm80): only the per-partition decode differs.
 #pragma once

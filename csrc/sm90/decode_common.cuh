@@ -11,6 +11,7 @@
 #include "csrc/sm80/api.h"
 #include "csrc/sm80/kv_source.cuh"
 #include "csrc/sm80/request.cuh"
+#include "csrc/sm80/schedule_inline.cuh"
 
 #include <cute/tensor.hpp>
 
@@ -53,13 +54,12 @@ struct DecodeItem {
 };
 
 template <int kBlockN>
-__device__ __forceinline__ DecodeItem load_item(const PagedDecodeParams& p, const sm80::DecodeWorkspace& ws,
-                                                int item) {
+__device__ __forceinline__ DecodeItem make_item(const PagedDecodeParams& p, const sm80::DecodeWorkspace& ws, int b,
+                                                int block_begin, int block_end, int splits) {
   static_assert(kBlockN == sm80::kSchedBlockTokens, "one KV tile per scheduler block");
   DecodeItem it;
-  it.b = ws.items[4 * item];
-  const int block_begin = ws.items[4 * item + 1], block_end = ws.items[4 * item + 2];
-  it.splits = ws.request_meta[2 * it.b + 1];
+  it.b = b;
+  it.splits = splits;
   const sm80::RequestSpan span = sm80::request_span(p, ws, it.b);
   it.seq_len = span.len;
   it.len_ok = span.valid;
@@ -67,6 +67,14 @@ __device__ __forceinline__ DecodeItem load_item(const PagedDecodeParams& p, cons
   it.tile_begin = block_begin;
   it.num_tiles = it.len_ok ? static_cast<int>((it.tok_end + kBlockN - 1) / kBlockN) - it.tile_begin : 0;
   return it;
+}
+
+// Item `item` as the scheduler kernel wrote it.
+template <int kBlockN>
+__device__ __forceinline__ DecodeItem load_item(const PagedDecodeParams& p, const sm80::DecodeWorkspace& ws,
+                                                int item) {
+  const int b = ws.items[4 * item];
+  return make_item<kBlockN>(p, ws, b, ws.items[4 * item + 1], ws.items[4 * item + 2], ws.request_meta[2 * b + 1]);
 }
 
 // Issues (cp.async, uncommitted) this thread's share of the 64 query rows

@@ -3,8 +3,7 @@
 // Included by the per-dtype instantiation files decode_*.cu.
 #pragma once
 
-#include <cstdlib>
-
+#include "csrc/common/env_flag.h"
 #include "csrc/sm90/decode_kernel.cuh"
 #include "csrc/sm90/decode_seesaw.cuh"
 
@@ -17,17 +16,23 @@ cudaError_t launch_decode(const PagedDecodeParams& p, const DecodeWorkspace& ws,
   make_kv_tma(p, &tma);
   // MLA_JAX_SM90_LOCKSTEP=1 keeps the lock-step kernel on TMA-loadable
   // caches too (A/B benchmarks, tests of that kernel's TMA path).
-  const char* lockstep = std::getenv("MLA_JAX_SM90_LOCKSTEP");
-  const bool seesaw = tma.enabled && !(lockstep != nullptr && lockstep[0] != '\0' && lockstep[0] != '0');
+  const bool seesaw = tma.enabled && !env_flag("MLA_JAX_SM90_LOCKSTEP");
   auto kernel = seesaw ? decode_seesaw_kernel<Tr> : decode_kernel<Tr>;
   // Per call, not cached: the attribute belongs to the current device.
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemAlloc);
   if (err != cudaSuccess) return err;
-  err = sm80::run_scheduler(p, ws, stream);  // after the host work: see sm80::paged_decode
-  if (err != cudaSuccess) return err;
+  // Small batches: the seesaw kernel schedules itself (no scheduler kernel);
+  // MLA_JAX_SCHEDULER_KERNEL=1 keeps the scheduler kernel for them too.
+  DecodeWorkspace w = ws;
+  w.inline_schedule =
+      seesaw && p.batch <= sm80::kInlineScheduleMaxBatch && !env_flag("MLA_JAX_SCHEDULER_KERNEL");
+  if (!w.inline_schedule) {
+    err = sm80::run_scheduler(p, w, stream);  // after the host work: see sm80::paged_decode
+    if (err != cudaSuccess) return err;
+  }
   const int rows = p.rows_per_request();
-  dim3 grid((rows + Tr::kBlockM - 1) / Tr::kBlockM, ws.num_parts);
-  kernel<<<grid, Tr::kThreads, Tr::kSmemAlloc, stream>>>(p, ws, tma);
+  dim3 grid((rows + Tr::kBlockM - 1) / Tr::kBlockM, w.num_parts);
+  kernel<<<grid, Tr::kThreads, Tr::kSmemAlloc, stream>>>(p, w, tma);
   return cudaGetLastError();
 }
 

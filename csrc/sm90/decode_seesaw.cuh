@@ -103,7 +103,14 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   const int m0 = blockIdx.x * kBlockM;
   const float kv_scale = p.kv_scale ? *p.kv_scale : 1.0f;
   const float scale_log2 = p.sm_scale * kv_scale * kLog2e;
-  const int item_begin = ws.part_begin[part], item_end = ws.part_begin[part + 1];
+  // This partition's items: from the scheduler kernel, or (small batches)
+  // scheduled here by warp 0, CTA (0, 0) also writing the combine's metadata.
+  sm80::PartItem* s_items = reinterpret_cast<sm80::PartItem*>(smem_raw + smem_pad + Tr::kSmemItems);
+  int* s_num_items = reinterpret_cast<int*>(s_items + sm80::kInlineScheduleMaxBatch);
+  if (ws.inline_schedule && tid < 32) {
+    const int num = sm80::schedule_partition_inline(p, ws, part, blockIdx.x == 0 && part == 0, s_items);
+    if (tid == 0) *s_num_items = num;
+  }
 
   // One barrier per 64-feature block of each stage (one arrival: the
   // issuing thread, plus the box's bytes), so S can start on the first
@@ -113,7 +120,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     for (int i = 0; i < Tr::kStages * Tr::kKvBlocks; ++i) FullBarrier::init(&kv_full[i], 1);
     cutlass::arch::fence_barrier_init();
   }
-  __syncthreads();
+  __syncthreads();  // also publishes the inline schedule
+  const int item_begin = ws.inline_schedule ? 0 : ws.part_begin[part];
+  const int item_end = ws.inline_schedule ? *s_num_items : ws.part_begin[part + 1];
   // Warpgroup w computes S only over stage w's tiles, so it alone waits on
   // stage w's barriers: one phase bit per warpgroup.
   uint32_t full_phase = 0;
@@ -129,8 +138,16 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     }
   };
 
-  for (int item = item_begin; item < item_end; ++item) {
-    const DecodeItem it = load_item<kBlockN>(p, ws, item);
+  for (int i = item_begin; i < item_end; ++i) {
+    int item = i;
+    DecodeItem it;
+    if (ws.inline_schedule) {
+      const sm80::PartItem own = s_items[i];
+      item = own.item;
+      it = make_item<kBlockN>(p, ws, own.b, own.block_begin, own.block_end, own.splits);
+    } else {
+      it = load_item<kBlockN>(p, ws, i);
+    }
     const int64_t tok_end = it.tok_end;
     const int tile_begin = it.tile_begin;
     const int num_tiles = it.num_tiles;

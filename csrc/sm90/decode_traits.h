@@ -21,8 +21,9 @@
 #include <cute/arch/mma_sm90.hpp>
 #include <cute/atom/mma_traits_sm90_gmma.hpp>
 #include <cute/tensor.hpp>
-
 #include <type_traits>
+
+#include "csrc/sm80/schedule_inline.cuh"
 
 namespace mla_jax {
 namespace sm90 {
@@ -84,7 +85,9 @@ struct DecodeTraits {
   static constexpr int kSmemFlags = kSmemValid + kStages * kBlockN;      // bad-page flag
   static constexpr int kKvBlocks = kDimQK / 64;                          // 64-feature blocks per KV row
   static constexpr int kSmemBarriers = kSmemFlags + 16;                 // [stage][block] mbarriers
-  static constexpr int kSmemBytes = kSmemBarriers + kStages * kKvBlocks * 8;
+  static constexpr int kSmemItems = kSmemBarriers + kStages * kKvBlocks * 8;  // inline schedule: items, count
+  static constexpr int kSmemBytes =
+      kSmemItems + sm80::kInlineScheduleMaxBatch * static_cast<int>(sizeof(sm80::PartItem)) + 16;
   static_assert(kSmemBarriers % 8 == 0);
   static constexpr int kSmemAlloc = kSmemBytes + 1024;  // room to align the base
   static_assert(kSmemAlloc <= 227 * 1024, "exceeds the sm_90 shared memory per block");

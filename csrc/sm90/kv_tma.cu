@@ -32,7 +32,6 @@ PFN_cuTensorMapEncodeTiled_v12000 encode_fn() {
 bool encode(CUtensorMap* map, const void* base, int64_t rows, int64_t cols, int64_t row_stride) {
   auto fn = encode_fn();
   if (fn == nullptr) return false;
-  if (reinterpret_cast<uintptr_t>(base) % 16 != 0 || (row_stride * 2) % 16 != 0) return false;
   const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
   const cuuint64_t strides[1] = {static_cast<cuuint64_t>(row_stride * 2)};
   const cuuint32_t box[2] = {64, 64};
@@ -42,14 +41,24 @@ bool encode(CUtensorMap* map, const void* base, int64_t rows, int64_t cols, int6
             CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
+bool aligned16(const void* base, int64_t row_stride) {
+  return reinterpret_cast<uintptr_t>(base) % 16 == 0 && (row_stride * 2) % 16 == 0;
+}
+
 }  // namespace
+
+bool kv_tma_applies(const PagedDecodeParams& p) {
+  if (p.indices != nullptr || p.page_size % 64 != 0) return false;
+  const int64_t rows = int64_t{p.num_pages} * p.page_size;
+  // Row coordinates are int32 in the copy instruction.
+  if (rows <= 0 || rows > INT32_MAX) return false;
+  return aligned16(p.ckv, p.ckv_token_stride) && aligned16(p.kpe, p.kpe_token_stride);
+}
 
 void make_kv_tma(const PagedDecodeParams& p, KvTma* tma) {
   tma->enabled = 0;
-  if (p.indices != nullptr || p.page_size % 64 != 0) return;
+  if (!kv_tma_applies(p)) return;
   const int64_t rows = int64_t{p.num_pages} * p.page_size;
-  // Row coordinates are int32 in the copy instruction.
-  if (rows <= 0 || rows > INT32_MAX) return;
   if (!encode(&tma->ckv, p.ckv, rows, 512, p.ckv_token_stride)) return;
   if (!encode(&tma->kpe, p.kpe, rows, 64, p.kpe_token_stride)) return;
   tma->enabled = 1;

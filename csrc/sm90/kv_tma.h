@@ -22,9 +22,14 @@ struct KvTma {
   int enabled = 0;  // 0: use the cp.async path
 };
 
+// True when the call's cache qualifies for TMA loads: dense decode, pages a
+// multiple of 64 tokens, 16-byte aligned bases and row strides, row
+// coordinates within int32. Host only.
+bool kv_tma_applies(const PagedDecodeParams& p);
+
 // Fills `tma` for the call's cache, or leaves enabled = 0 when the call
-// does not qualify (see above) or the driver cannot encode the descriptors
-// (alignment, sizes). Host only; no stream work, so it is safe while XLA
+// does not qualify (kv_tma_applies) or the driver cannot encode the
+// descriptors. Host only; no stream work, so it is safe while XLA
 // captures the call into a command buffer.
 void make_kv_tma(const PagedDecodeParams& p, KvTma* tma);
 

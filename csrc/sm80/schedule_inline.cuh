@@ -1,0 +1,87 @@
+// Small batches scheduled by the decode kernel itself: the first warp of
+// every CTA recomputes the whole (small) schedule with warp shuffles and
+// keeps its own partition's items; CTA (0, 0) also writes the per-request
+// metadata the combine kernel reads. The same arithmetic as the scheduler
+// kernel (schedule_math.cuh), so the items, their numbering and the
+// combine's view are identical; what it saves is the scheduler kernel and
+// its launch before the decode (3.9 us + a 4.5-5.8 us gap for one request on
+// the H200, benchmarks/NOTES.md v5).
+#pragma once
+
+#include "csrc/sm80/schedule_math.cuh"
+
+namespace mla_jax {
+namespace sm80 {
+
+// Requests up to which a decode kernel that supports it schedules inline:
+// one per lane of a warp.
+constexpr int kInlineScheduleMaxBatch = 32;
+
+// One item of this CTA's partition.
+struct PartItem {
+  int b;            // request
+  int block_begin;  // its 64-token blocks [block_begin, block_end)
+  int block_end;
+  int item;         // global item number (the partial-output slot when split)
+  int splits;       // items request b was cut into
+};
+
+// Called by all 32 lanes of one warp, p.batch <= kInlineScheduleMaxBatch.
+// Writes this partition's items to out (request order, at most one per
+// request) and returns how many; with write_meta also writes
+// ws.request_meta for every request.
+__device__ __forceinline__ int schedule_partition_inline(const PagedDecodeParams& p, const DecodeWorkspace& ws,
+                                                         int part, bool write_meta, PartItem* out) {
+  constexpr unsigned kAll = 0xffffffffu;
+  const int lane = threadIdx.x % 32;
+  const int b = lane;
+  const bool live = b < p.batch;
+  const int n = live ? num_blocks_of(p, ws, b) : 0;
+  const int64_t w = live ? n + kSplitOverhead : 0;
+  int64_t end_pos = w;  // inclusive scan: end of request b on the work line
+#pragma unroll
+  for (int o = 1; o < 32; o *= 2) {
+    const int64_t t = __shfl_up_sync(kAll, end_pos, o);
+    if (lane >= o) end_pos += t;
+  }
+  const int64_t work = __shfl_sync(kAll, end_pos, 31);
+  const int parts = partitions_for(work, ws.num_parts);
+  const RequestCut cut = cut_request(n, end_pos - w + kSplitOverhead, work, parts, ws.max_num_splits);
+  const int count = live ? cut.count : 0;
+  int first = count;  // inclusive, then exclusive scan of the item counts
+#pragma unroll
+  for (int o = 1; o < 32; o *= 2) {
+    const int t = __shfl_up_sync(kAll, first, o);
+    if (lane >= o) first += t;
+  }
+  first -= count;
+  if (write_meta && live) {
+    ws.request_meta[2 * b] = first;
+    ws.request_meta[2 * b + 1] = count;
+  }
+  // This partition's item of request b, if any.
+  int k_here = -1;
+  ItemRange r{0, 0, 0};
+  if (live && part >= cut.p_first && part < cut.p_first + cut.natural) {
+    if (cut.count == cut.natural) {
+      k_here = part - cut.p_first;
+      r = item_range(cut, k_here, work, parts);
+    } else {  // capped: find the piece that starts in this partition
+      for (int k = 0; k < cut.count; ++k) {
+        const ItemRange t = item_range(cut, k, work, parts);
+        if (t.part > part) break;
+        if (t.part == part) {
+          k_here = k;
+          r = t;
+          break;
+        }
+      }
+    }
+  }
+  const unsigned has = __ballot_sync(kAll, k_here >= 0);
+  if (k_here >= 0) out[__popc(has & ((1u << lane) - 1u))] = PartItem{b, r.begin, r.end, first + k_here, count};
+  return __popc(has);
+}
+
+}  // namespace sm80
+}  // namespace mla_jax

@@ -1,0 +1,105 @@
+// The arithmetic of the split schedule (FlashDecoding split-KV over
+// persistent partitions), shared by the scheduler kernel (scheduler.cu) and
+// the decode kernels that schedule small batches themselves
+// (schedule_inline.cuh), so both cut every request the same way.
+//
+// The requests' 64-token KV blocks are laid end to end on one work line,
+// each request preceded by a fixed cost (query load and epilogue,
+// kSplitOverhead blocks): request b covers [start_b, start_b + overhead +
+// n_b). The line is cut into `parts` equal shares; partition q gets the work
+// in [bound(q), bound(q+1)). A request crossing a cut is split there, so
+// every partition carries the same load and each cut splits at most one
+// request: at most batch + num_parts - 1 items, which sizes the scratch.
+// max_num_splits > 0 merges a request's pieces into at most that many equal
+// splits (still in partition order). Items are numbered request by request.
+#pragma once
+
+#include <cstdint>
+
+#include "csrc/common/mla_params.h"
+#include "csrc/sm80/api.h"
+#include "csrc/sm80/request.cuh"
+
+namespace mla_jax {
+namespace sm80 {
+
+constexpr int kSplitOverhead = 2;
+// Least work (blocks) worth a partition of its own: below it, a split's
+// fixed cost (query load, partial write, combine read) outweighs the
+// parallelism, so small batches use fewer partitions. Measured on the H200
+// for one 4k request at H = 128 (benchmarks/NOTES.md, v5): 2 / 3 / 4 / 8 ->
+// 29.1 / 31.4 / 34.9 / 41.0 us device span, 30.9 / 23.3 / - / 36.0 us in the
+// benchmark; 1 was slower still with the v2 scheduler (58.7 us).
+constexpr int kMinPartWork = 3;
+
+// An invalid request has no blocks: one empty item writes its NaN output.
+__device__ __forceinline__ int num_blocks_of(const PagedDecodeParams& p, const DecodeWorkspace& ws, int b) {
+  const RequestSpan span = request_span(p, ws, b);
+  return static_cast<int>((span.len + kSchedBlockTokens - 1) / kSchedBlockTokens);
+}
+
+// Partitions used for `work` blocks on the line: at most num_parts, at least 1.
+__device__ __forceinline__ int partitions_for(int64_t work, int num_parts) {
+  const int64_t wanted = (work + kMinPartWork - 1) / kMinPartWork;
+  return static_cast<int>(wanted < num_parts ? (wanted > 0 ? wanted : 1) : num_parts);
+}
+
+__device__ __forceinline__ int64_t bound(int part, int64_t total, int parts) {
+  return (int64_t{part} * total + parts - 1) / parts;  // first work unit of `part`
+}
+
+__device__ __forceinline__ int part_of(int64_t pos, int64_t total, int parts) {
+  if (total <= 0) return 0;
+  const int64_t p = pos * parts / total;
+  return static_cast<int>(p < parts - 1 ? p : parts - 1);
+}
+
+// Where a request sits on the work line and how its items cut it.
+struct RequestCut {
+  int64_t first_block_pos;  // line position of the request's first KV block
+  int n;                    // KV blocks
+  int p_first;              // partition of the first block
+  int natural;              // partitions the blocks span
+  int count;                // items (natural, or capped by max_num_splits)
+};
+
+// The cut of a request with n blocks whose first block sits at
+// first_block_pos (after its kSplitOverhead units).
+__device__ __forceinline__ RequestCut cut_request(int n, int64_t first_block_pos, int64_t work, int parts,
+                                                  int max_num_splits) {
+  int p_first, p_last;
+  if (n == 0) {
+    p_first = p_last = part_of(first_block_pos - kSplitOverhead, work, parts);
+  } else {
+    p_first = part_of(first_block_pos, work, parts);
+    p_last = part_of(first_block_pos + n - 1, work, parts);
+  }
+  int count = p_last - p_first + 1;
+  if (max_num_splits > 0 && count > max_num_splits) count = max_num_splits;
+  return RequestCut{first_block_pos, n, p_first, p_last - p_first + 1, count};
+}
+
+// Item k of a cut request: its blocks [begin, end) and its partition. Distinct
+// k of one request fall in distinct partitions (count <= natural).
+struct ItemRange {
+  int begin;
+  int end;
+  int part;
+};
+
+__device__ __forceinline__ ItemRange item_range(const RequestCut& c, int k, int64_t work, int parts) {
+  ItemRange r;
+  if (c.count == c.natural) {  // cut at the partition bounds
+    r.part = c.p_first + k;
+    r.begin = k == 0 ? 0 : static_cast<int>(bound(r.part, work, parts) - c.first_block_pos);
+    r.end = k == c.count - 1 ? c.n : static_cast<int>(bound(r.part + 1, work, parts) - c.first_block_pos);
+  } else {  // capped: equal pieces, each placed in the partition of its start
+    r.begin = static_cast<int>(int64_t{k} * c.n / c.count);
+    r.end = static_cast<int>(int64_t{k + 1} * c.n / c.count);
+    r.part = c.p_first + static_cast<int>(int64_t{k} * c.natural / c.count);
+  }
+  return r;
+}
+
+}  // namespace sm80
+}  // namespace mla_jax
