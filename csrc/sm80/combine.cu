@@ -14,18 +14,18 @@ namespace sm80 {
 namespace {
 
 // Two grids. Few (request, row) pairs (one long request at 12 heads: 12 rows,
-// 132 splits): combine_kernel, a CTA per row and 128-column slice whose four
+// 132 splits): combine_kernel, a CTA per row and 128-column slice whose eight
 // warps split the splits, so the reads spread over many SMs. Many pairs:
 // combine_rows_kernel, a warp per row over all of its columns, eight rows per
 // CTA: no block barriers, the split weights pass between lanes by shuffles,
 // and each lane keeps four independent 16-byte loads per split in flight.
-constexpr int kThreads = 128;
+constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int kWarpColumns = 128;  // one float4 per lane
 constexpr int kRowWarps = 8;       // rows per CTA of combine_rows_kernel
 constexpr int kRowFloat4s = 4;     // float4s per lane of a 512-column row
-// Below this many (request, row) pairs the sliced grid is used: about one
-// wave of 128-thread CTAs on an H100/H200.
+// Below this many (request, row) pairs the sliced grid is used; from it on,
+// a warp per pair already puts about 16 warps on each SM of an H100/H200.
 constexpr int64_t kSliceBelowRows = 2048;
 constexpr int kWeightChunk = 256;  // splits whose weights are staged in shared memory at once
 
@@ -46,7 +46,18 @@ __device__ __forceinline__ void store4<__half>(__half* dst, float4 v) {
   *reinterpret_cast<uint2*>(dst) = packed;
 }
 
-// grid: (batch, rows, 1 or dv / kWarpColumns).
+// acc += w * v for one split's four partial columns. An empty split (w = 0)
+// adds nothing even when its partials hold garbage or NaN (the decode kernel
+// writes nothing there). The partials are loaded unconditionally (they lie
+// inside the workspace), so loads of consecutive splits need not wait for
+// each split's weight test and can be in flight together.
+__device__ __forceinline__ void add_weighted(float4& acc, float w, float4 v) {
+  if (w == 0.f) v = make_float4(0.f, 0.f, 0.f, 0.f);
+  acc.x = fmaf(w, v.x, acc.x); acc.y = fmaf(w, v.y, acc.y);
+  acc.z = fmaf(w, v.z, acc.z); acc.w = fmaf(w, v.w, acc.w);
+}
+
+// grid: (batch, rows, dv / kWarpColumns).
 template <typename OutT>
 __global__ void __launch_bounds__(kThreads) combine_kernel(PagedDecodeParams p, DecodeWorkspace ws) {
   const int b = blockIdx.x;
@@ -93,7 +104,7 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(PagedDecodeParams p, 
   // the same for every thread (it holds barriers).
   __shared__ float s_w[kWeightChunk];
   __shared__ float4 s_acc[kWarps][32];
-  const int cta_columns = dv / gridDim.z;  // 512 or 128 (dv is 512 on this path)
+  const int cta_columns = dv / gridDim.z;  // kWarpColumns as launched (dv is 512 on this path)
   const int column_groups = cta_columns / kWarpColumns;
   const int split_groups = kWarps / column_groups;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -110,13 +121,8 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(PagedDecodeParams p, 
     __syncthreads();
     const float* src = ws.out_accum + (static_cast<int64_t>(first + c0) * rows + row) * dv + d;
 #pragma unroll 4
-    for (int i = split_group; i < n; i += split_groups) {
-      const float w = s_w[i];
-      // An empty split (w = 0) may hold anything: its partials are not read.
-      const float4 v = w != 0.f ? *reinterpret_cast<const float4*>(src + i * split_stride)
-                                : make_float4(0.f, 0.f, 0.f, 0.f);
-      acc.x += w * v.x; acc.y += w * v.y; acc.z += w * v.z; acc.w += w * v.w;
-    }
+    for (int i = split_group; i < n; i += split_groups)
+      add_weighted(acc, s_w[i], *reinterpret_cast<const float4*>(src + i * split_stride));
   }
   if (split_groups > 1) {  // sum the split groups' partial sums into group 0
     s_acc[warp][lane] = acc;
@@ -195,17 +201,12 @@ __global__ void __launch_bounds__(kRowWarps * 32) combine_rows_kernel(PagedDecod
 #pragma unroll 2
       for (int j = 0; j < n; ++j) {
         const float w = __shfl_sync(kAll, w_lane, j);
-        // An empty split (w = 0) may hold anything: its partials are not
-        // read (w is the same in every lane, so the branch is uniform).
-        if (w == 0.f) continue;
         const float* s = src + (c0 + j) * split_stride;
         float4 v[kRowFloat4s];
 #pragma unroll
         for (int k = 0; k < kRowFloat4s; ++k) v[k] = *reinterpret_cast<const float4*>(s + k * 128);
 #pragma unroll
-        for (int k = 0; k < kRowFloat4s; ++k) {
-          acc[k].x += w * v[k].x; acc[k].y += w * v[k].y; acc[k].z += w * v[k].z; acc[k].w += w * v[k].w;
-        }
+        for (int k = 0; k < kRowFloat4s; ++k) add_weighted(acc[k], w, v[k]);
       }
     }
   }

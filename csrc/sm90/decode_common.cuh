@@ -33,6 +33,26 @@ __device__ __forceinline__ float fast_exp2(float x) {
   return y;
 }
 
+// wgmma's accumulator layout (m64nNk16, f32): a thread of a warpgroup holds
+// rows accumulator_row_base + 8 * rr, and its element i sits in row half
+// rr = accumulator_row_half(i) = (i / 2) % 2, with elements 2k and 2k + 1 in
+// adjacent columns. A static rr keeps the per-row softmax state in
+// registers; csrc/sm90/layout_check.cu checks these facts against CuTe.
+__device__ __forceinline__ int accumulator_row_base(int wg_tid) { return (wg_tid / 32) * 16 + (wg_tid % 32) / 4; }
+__device__ __forceinline__ int accumulator_row_half(int i) { return (i >> 1) & 1; }
+
+// The FP8 KV dequantisation scale (1 for bf16/fp16 caches) and the softmax
+// scale in log2 units with it folded in, so S feeds exp2 directly.
+struct SoftmaxScale {
+  float kv_scale;
+  float scale_log2;
+};
+__device__ __forceinline__ SoftmaxScale softmax_scale(const PagedDecodeParams& p) {
+  constexpr float kLog2e = 1.4426950408889634f;
+  const float kv_scale = p.kv_scale ? *p.kv_scale : 1.0f;
+  return {kv_scale, p.sm_scale * kv_scale * kLog2e};
+}
+
 // Byte offset of 16-byte chunk `chunk` (8 elements) of row `row` in a
 // LayoutQK tile: 8-row x 128-byte atoms, row atoms first, then 64-column
 // blocks of 8 KB; inside an atom the chunk index is XORed with row % 8
@@ -130,7 +150,7 @@ __device__ __forceinline__ void write_item_output(const PagedDecodeParams& p, co
   constexpr float kLn2 = 0.6931471805599453f;
   const int tid = threadIdx.x;
   const int wg = tid / 128, wg_tid = tid % 128, lane = tid % 32;
-  const int row_base = (wg_tid / 32) * 16 + lane / 4;
+  const int row_base = accumulator_row_base(wg_tid);
   const int rows = p.rows_per_request();
 #pragma unroll
   for (int rr = 0; rr < 2; ++rr) {

@@ -49,7 +49,6 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   using T = typename Tr::QType;
   using Elem = typename Tr::Elem;
   constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN;
-  constexpr float kLog2e = 1.4426950408889634f;
 
   extern __shared__ char smem_raw[];
   char* smem = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
@@ -89,21 +88,15 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   // (row, column) of every accumulator element this thread holds.
   Tensor tScS = thr_s.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<Tr::kSCols>>{}));
   Tensor tOcO = thr_o.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<Tr::kOCols>>{}));
-  // wgmma's accumulator layout (m64nNk16, f32): a thread holds rows
-  // warp * 16 + lane / 4 + 8 * rr, and its element i sits in row half
-  // rr = (i / 2) % 2, with elements 2k and 2k + 1 in adjacent columns.
-  // Static rr keeps the per-row state in registers; csrc/sm90/layout_check.cu
-  // verifies these facts against CuTe's layouts.
-  const int row_base = (wg_tid / 32) * 16 + lane / 4;
-  auto half_of = [](int i) { return (i >> 1) & 1; };
+  // Accumulator rows of this thread: row_base + 8 * accumulator_row_half(i).
+  const int row_base = accumulator_row_base(wg_tid);
 
   // Row blocks of one partition are adjacent in launch order: they stream
   // the same KV tiles at the same time and can share them through L2
   // (measured: no change beyond noise, benchmarks/NOTES.md v2c).
   const int part = blockIdx.y;
   const int m0 = blockIdx.x * kBlockM;
-  const float kv_scale = p.kv_scale ? *p.kv_scale : 1.0f;
-  const float scale_log2 = p.sm_scale * kv_scale * kLog2e;
+  const auto [kv_scale, scale_log2] = softmax_scale(p);
   const int item_begin = ws.part_begin[part], item_end = ws.part_begin[part + 1];
   const char* ckv = static_cast<const char*>(p.ckv);
   const char* kpe = static_cast<const char*>(p.kpe);
@@ -307,13 +300,13 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         for (int i = 0; i < size(tSrS); ++i) {
           const float s = tSrS(i) * scale_log2;
           tSrS(i) = s;
-          tile_max[half_of(i)] = fmaxf(tile_max[half_of(i)], s);
+          tile_max[accumulator_row_half(i)] = fmaxf(tile_max[accumulator_row_half(i)], s);
         }
       } else {
 #pragma unroll
         for (int i = 0; i < size(tSrS); ++i) {
           const int col = get<1>(tScS(i));
-          const int rr = half_of(i);
+          const int rr = accumulator_row_half(i);
           // Dense: the limit says it all (sValid is not written on the TMA path).
           const bool visible = tok0 + col < limit[rr] && (!sparse || valid[col]);
           const float s = visible ? tSrS(i) * scale_log2 : -INFINITY;
@@ -345,7 +338,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 #pragma unroll
       for (int i = 0; i < size(tSrS); i += 2) {
         const int row = get<0>(tScS(i)), col = get<1>(tScS(i));
-        const int rr = half_of(i);
+        const int rr = accumulator_row_half(i);
         const float e0 = fast_exp2(tSrS(i) - m_use[rr]);
         const float e1 = fast_exp2(tSrS(i + 1) - m_use[rr]);
         row_sum[rr] += e0 + e1;
@@ -359,7 +352,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       // warp's own, so the vote is per warp).
       if (__any_sync(0xffffffffu, correction[0] != 1.f || correction[1] != 1.f)) {
 #pragma unroll
-        for (int i = 0; i < size(tOrO); ++i) tOrO(i) *= correction[half_of(i)];
+        for (int i = 0; i < size(tOrO); ++i) tOrO(i) *= correction[accumulator_row_half(i)];
       }
       if constexpr (kHasNext) clear(tSrS);  // S(t+1) accumulates from zero
       cute::cp_async_wait<0>();  // tile t+1 (the only group in flight)

@@ -49,7 +49,6 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   using T = typename Tr::QType;
   using Elem = typename Tr::Elem;
   constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN;
-  constexpr float kLog2e = 1.4426950408889634f;
   constexpr int kRopeBlock = 8 * 8192;  // byte offset of a stage's rope block (P_a in stage 0)
   // Named barrier ids (cutlass offsets them past its reserved ones).
   constexpr uint32_t kBarMaxA = 0, kBarMaxB = 1, kBarPa = 2, kBarPb = 3;
@@ -94,15 +93,12 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                                                               wg * (Tr::kOCols / 64) * 8192)),
                        typename Tr::LayoutVHalf{});
   };
-  // Accumulator rows of this thread: row_base + 8 * rr, rr = (i / 2) % 2
-  // (csrc/sm90/layout_check.cu checks this for both MMA shapes).
-  const int row_base = (wg_tid / 32) * 16 + lane / 4;
-  auto half_of = [](int i) { return (i >> 1) & 1; };
+  // Accumulator rows of this thread: row_base + 8 * accumulator_row_half(i).
+  const int row_base = accumulator_row_base(wg_tid);
 
   const int part = blockIdx.y;
   const int m0 = blockIdx.x * kBlockM;
-  const float kv_scale = p.kv_scale ? *p.kv_scale : 1.0f;
-  const float scale_log2 = p.sm_scale * kv_scale * kLog2e;
+  const auto [kv_scale, scale_log2] = softmax_scale(p);
   // This partition's items: from the scheduler kernel, or (small batches)
   // scheduled here by warp 0, CTA (0, 0) also writing the combine's metadata.
   sm80::PartItem* s_items = reinterpret_cast<sm80::PartItem*>(smem_raw + smem_pad + Tr::kSmemItems);
@@ -134,7 +130,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     // Per warp: its accumulator rows are its own.
     if (__any_sync(0xffffffffu, c[0] != 1.f || c[1] != 1.f)) {
 #pragma unroll
-      for (int i = 0; i < size(tOrO); ++i) tOrO(i) *= c[half_of(i)];
+      for (int i = 0; i < size(tOrO); ++i) tOrO(i) *= c[accumulator_row_half(i)];
     }
   };
 
@@ -254,11 +250,11 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       tile_max[0] = tile_max[1] = -INFINITY;
       if (visible_all(t)) {
 #pragma unroll
-        for (int i = 0; i < size(tSrS); ++i) tile_max[half_of(i)] = fmaxf(tile_max[half_of(i)], tSrS(i) * scale_log2);
+        for (int i = 0; i < size(tSrS); ++i) tile_max[accumulator_row_half(i)] = fmaxf(tile_max[accumulator_row_half(i)], tSrS(i) * scale_log2);
       } else {
 #pragma unroll
         for (int i = 0; i < size(tSrS); ++i) {
-          const int rr = half_of(i);
+          const int rr = accumulator_row_half(i);
           if (tok0 + get<1>(tScS(i)) < limit[rr]) tile_max[rr] = fmaxf(tile_max[rr], tSrS(i) * scale_log2);
         }
       }
@@ -278,7 +274,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       sum[0] = sum[1] = 0.f;
 #pragma unroll
       for (int i = 0; i < size(tSrS); ++i) {
-        const int rr = half_of(i);
+        const int rr = accumulator_row_half(i);
         float e = fast_exp2(fmaf(tSrS(i), scale_log2, neg_m[rr]));
         if (!all) e = tok0 + get<1>(tScS(i)) < limit[rr] ? e : 0.f;
         sum[rr] += e;
@@ -291,7 +287,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 #pragma unroll
       for (int i = 0; i < size(tSrS); i += 2) {
         const int row = get<0>(tScS(i)), col = get<1>(tScS(i));
-        const float f = c[half_of(i)];
+        const float f = c[accumulator_row_half(i)];
         *reinterpret_cast<uint32_t*>(dst + qk_chunk_offset(row, col >> 3) + (col & 7) * 2) =
             pack2<T>(tSrS(i) * f, tSrS(i + 1) * f);
       }
