@@ -46,11 +46,11 @@ __device__ __forceinline__ void store4<__half>(__half* dst, float4 v) {
   *reinterpret_cast<uint2*>(dst) = packed;
 }
 
-// acc += w * v for one split's four partial columns. An empty split (w = 0)
-// adds nothing even when its partials hold garbage or NaN (the decode kernel
-// writes nothing there). The partials are loaded unconditionally (they lie
-// inside the workspace), so loads of consecutive splits need not wait for
-// each split's weight test and can be in flight together.
+// acc += w * v for one split's four partial columns. A split of weight 0
+// (nothing visible, or exp underflow) adds exactly nothing, whatever its
+// partials hold: 0 * inf or 0 * NaN must not reach the sum. The partials are
+// loaded before the weight test (they lie inside the workspace), so loads of
+// consecutive splits need not wait for it and can be in flight together.
 __device__ __forceinline__ void add_weighted(float4& acc, float w, float4 v) {
   if (w == 0.f) v = make_float4(0.f, 0.f, 0.f, 0.f);
   acc.x = fmaf(w, v.x, acc.x); acc.y = fmaf(w, v.y, acc.y);
