@@ -229,6 +229,20 @@ def test_bad_page_in_split_request_many_rows():
   _check(out, lse, ref_out, ref_lse)
 
 
+def test_bad_page_in_split_request_few_splits():
+  # 48 requests x 16 heads: fewer than 2048 (request, row) pairs, but fewer
+  # than 4 splits per request on average, so the warp-per-row combine runs
+  # here too (the sliced one serves few pairs with many splits).
+  rng = np.random.default_rng(29)
+  lens = [8000, 5, 8000, 0] + list(rng.integers(1, 9000, size=44))
+  d = random_paged_inputs(rng, lens, num_heads=16, page_size=64)
+  d["block_table"][2, 100] = d["kv_cache"].shape[0] + 3   # out of range, live, in a split request
+  plan = mla_jax.DecodePlan(num_heads=16, page_size=64, sm_scale=SM_SCALE, backend="cuda")
+  out, lse, ref_out, ref_lse = _run(d, plan, jnp.bfloat16)
+  assert np.isnan(ref_lse[2]).all() and np.isfinite(ref_lse[[0, 1]]).all()
+  _check(out, lse, ref_out, ref_lse)
+
+
 def test_64_row_blocks_bad_inputs(kernel_choice):
   rng = np.random.default_rng(17)
   d = random_paged_inputs(rng, [9000, 9000, 100, 100, 50], num_heads=128, page_size=64)

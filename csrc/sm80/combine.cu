@@ -13,20 +13,27 @@ namespace mla_jax {
 namespace sm80 {
 namespace {
 
-// Two grids. Few (request, row) pairs (one long request at 12 heads: 12 rows,
-// 132 splits): combine_kernel, a CTA per row and 128-column slice whose eight
-// warps split the splits, so the reads spread over many SMs. Many pairs:
-// combine_rows_kernel, a warp per row over all of its columns, eight rows per
-// CTA: no block barriers, the split weights pass between lanes by shuffles,
-// and each lane keeps four independent 16-byte loads per split in flight.
+// Two grids. Few (request, row) pairs with many splits each (one long request
+// at 12 heads: 12 rows, 132 splits): combine_kernel, a CTA per row and
+// 128-column slice whose eight warps split the splits, so the reads spread
+// over many SMs. Otherwise combine_rows_kernel, a warp per row over all of
+// its columns, eight rows per CTA: no block barriers, the split weights pass
+// between lanes by shuffles, and each lane keeps four independent 16-byte
+// loads per split in flight.
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int kWarpColumns = 128;  // one float4 per lane
 constexpr int kRowWarps = 8;       // rows per CTA of combine_rows_kernel
 constexpr int kRowFloat4s = 4;     // float4s per lane of a 512-column row
-// Below this many (request, row) pairs the sliced grid is used; from it on,
-// a warp per pair already puts about 16 warps on each SM of an H100/H200.
+// The sliced grid is used below this many (request, row) pairs (from it on,
+// a warp per pair already puts about 16 warps on each SM of an H100/H200),
+// and only when requests average at least kSliceMinSplits splits (num_parts
+// over batch): its block barriers and four CTAs per pair pay off only over
+// many splits. Measured (device trace, H200): 64 requests of 8k tokens at 16
+// heads (about 3 splits each, 1024 pairs) took 17.1 us in the sliced grid;
+// one request of 76.8k tokens at 12 heads (132 splits, 12 pairs) 5.5 us.
 constexpr int64_t kSliceBelowRows = 2048;
+constexpr int kSliceMinSplits = 4;
 constexpr int kWeightChunk = 256;  // splits whose weights are staged in shared memory at once
 
 template <typename OutT>
@@ -231,7 +238,9 @@ cudaError_t run_combine(const PagedDecodeParams& params, const DecodeWorkspace& 
   // dv is 512 here (checked by the caller): a multiple of kWarps x
   // kWarpColumns, and the row width combine_rows_kernel assumes.
   const bool bf16 = params.q_type == ElemType::kBF16;
-  if (int64_t{params.batch} * rows < kSliceBelowRows) {
+  const bool few_pairs = int64_t{params.batch} * rows < kSliceBelowRows;
+  const bool many_splits = int64_t{params.batch} * kSliceMinSplits <= ws.num_parts;
+  if (few_pairs && many_splits) {
     dim3 grid(params.batch, rows, params.kv_lora_rank / kWarpColumns);
     if (bf16) {
       combine_kernel<__nv_bfloat16><<<grid, kThreads, 0, stream>>>(params, ws);
