@@ -24,12 +24,11 @@ def _use_installed_copy(argv):
 
   `python -m` puts the current directory first on sys.path, so in the repo
   root after a regular `pip install .` it imports the bare source folder,
-  which holds no compiled extension. Python >= 3.11's -P leaves the current
-  directory out; older Pythons get a hint instead (see _source_tree_hint).
+  which holds no compiled extension. Python's -P (3.11 on, which jax 0.10
+  requires) leaves the current directory out.
   """
   from mla_jax import _ffi
-  if (_ffi.has_extension() or os.environ.get("_MLA_JAX_REEXEC") or sys.version_info < (3, 11)
-      or _installed_elsewhere() is None):
+  if _ffi.has_extension() or os.environ.get("_MLA_JAX_REEXEC") or _installed_elsewhere() is None:
     return
   env = dict(os.environ, _MLA_JAX_REEXEC="1")
   os.execve(sys.executable, [sys.executable, "-P", "-m", "mla_jax", *argv], env)
