@@ -96,7 +96,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   // (measured: no change beyond noise, benchmarks/NOTES.md v2c).
   const int part = blockIdx.y;
   const int m0 = blockIdx.x * kBlockM;
-  const auto [kv_scale, scale_log2] = softmax_scale(p);
+  const SoftmaxScale softmax = softmax_scale(p);
+  const float kv_scale = softmax.kv_scale, scale_log2 = softmax.scale_log2;
   const int item_begin = ws.part_begin[part], item_end = ws.part_begin[part + 1];
   const char* ckv = static_cast<const char*>(p.ckv);
   const char* kpe = static_cast<const char*>(p.kpe);

@@ -98,7 +98,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 
   const int part = blockIdx.y;
   const int m0 = blockIdx.x * kBlockM;
-  const auto [kv_scale, scale_log2] = softmax_scale(p);
+  const SoftmaxScale softmax = softmax_scale(p);
+  const float kv_scale = softmax.kv_scale, scale_log2 = softmax.scale_log2;
   // This partition's items: from the scheduler kernel, or (small batches)
   // scheduled here by warp 0, CTA (0, 0) also writing the combine's metadata.
   sm80::PartItem* s_items = reinterpret_cast<sm80::PartItem*>(smem_raw + smem_pad + Tr::kSmemItems);
