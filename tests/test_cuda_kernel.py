@@ -230,9 +230,11 @@ def test_bad_page_in_split_request_many_rows():
 
 
 def test_bad_page_in_split_request_few_splits():
-  # 48 requests x 16 heads: fewer than 2048 (request, row) pairs, but fewer
-  # than 4 splits per request on average, so the warp-per-row combine runs
-  # here too (the sliced one serves few pairs with many splits).
+  # 48 requests x 16 heads: fewer than 2048 (request, row) pairs, but
+  # num_parts / batch below 4 (132 partitions on an H100/H200; a GPU with
+  # 192 or more SMs would take the sliced combine, which must be right too),
+  # so the warp-per-row combine runs here too (the sliced one serves few
+  # pairs with many splits per request).
   rng = np.random.default_rng(29)
   lens = [8000, 5, 8000, 0] + list(rng.integers(1, 9000, size=44))
   d = random_paged_inputs(rng, lens, num_heads=16, page_size=64)

@@ -27,9 +27,9 @@ constexpr int kRowWarps = 8;       // rows per CTA of combine_rows_kernel
 constexpr int kRowFloat4s = 4;     // float4s per lane of a 512-column row
 // The sliced grid is used below this many (request, row) pairs (from it on,
 // a warp per pair already puts about 16 warps on each SM of an H100/H200),
-// and only when requests average at least kSliceMinSplits splits (num_parts
-// over batch): its block barriers and four CTAs per pair pay off only over
-// many splits. Measured (device trace, H200): 64 requests of 8k tokens at 16
+// and only when num_parts / batch >= kSliceMinSplits (the host's estimate of
+// splits per request; the device makes the actual cut): its block barriers
+// and four CTAs per pair pay off only over many splits. Measured (device trace, H200): 64 requests of 8k tokens at 16
 // heads (about 3 splits each, 1024 pairs) took 17.1 us in the sliced grid;
 // one request of 76.8k tokens at 12 heads (132 splits, 12 pairs) 5.5 us.
 constexpr int64_t kSliceBelowRows = 2048;
@@ -235,8 +235,8 @@ cudaError_t run_combine(const PagedDecodeParams& params, const DecodeWorkspace& 
                         cudaStream_t stream) {
   const int rows = params.rows_per_request();
   if (params.batch == 0 || rows == 0) return cudaSuccess;
-  // dv is 512 here (checked by the caller): a multiple of kWarps x
-  // kWarpColumns, and the row width combine_rows_kernel assumes.
+  // dv is 512 here (checked by the caller): four kWarpColumns slices for
+  // combine_kernel, and the row width combine_rows_kernel assumes.
   const bool bf16 = params.q_type == ElemType::kBF16;
   const bool few_pairs = int64_t{params.batch} * rows < kSliceBelowRows;
   const bool many_splits = int64_t{params.batch} * kSliceMinSplits <= ws.num_parts;

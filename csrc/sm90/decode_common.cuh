@@ -37,9 +37,12 @@ __device__ __forceinline__ float fast_exp2(float x) {
 // rows accumulator_row_base + 8 * rr, and its element i sits in row half
 // rr = accumulator_row_half(i) = (i / 2) % 2, with elements 2k and 2k + 1 in
 // adjacent columns. A static rr keeps the per-row softmax state in
-// registers; csrc/sm90/layout_check.cu checks these facts against CuTe.
-__device__ __forceinline__ int accumulator_row_base(int wg_tid) { return (wg_tid / 32) * 16 + (wg_tid % 32) / 4; }
-__device__ __forceinline__ int accumulator_row_half(int i) { return (i >> 1) & 1; }
+// registers; csrc/sm90/layout_check.cu checks these two functions against
+// CuTe's layouts on the host.
+__host__ __device__ __forceinline__ int accumulator_row_base(int wg_tid) {
+  return (wg_tid / 32) * 16 + (wg_tid % 32) / 4;
+}
+__host__ __device__ __forceinline__ int accumulator_row_half(int i) { return (i >> 1) & 1; }
 
 // The FP8 KV dequantisation scale (1 for bf16/fp16 caches) and the softmax
 // scale in log2 units with it folded in, so S feeds exp2 directly.

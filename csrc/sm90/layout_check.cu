@@ -6,6 +6,7 @@
 //   - each warpgroup's MN-major V view addresses the same bytes as the
 //     K-major KV tile, and local_tile's token half is the tile's rows;
 //   - the wgmma accumulator layouts: thread t's element i lies in row
+//     accumulator_row_base(t) + 8 * accumulator_row_half(i), i.e.
 //     (t / 32) * 16 + (t % 32) / 4 + 8 * ((i / 2) % 2), and elements 2k,
 //     2k + 1 are adjacent columns of one row.
 // Exit status 0 when every check holds.
@@ -51,7 +52,8 @@ int check_traits(const char* name) {
       auto coords = mma.get_thread_slice(t).partition_C(make_identity_tensor(shape));
       for (int i = 0; i < size(coords); ++i) {
         const int row = get<0>(coords(i)), col = get<1>(coords(i));
-        const int want_row = (t / 32) * 16 + (t % 32) / 4 + 8 * ((i >> 1) & 1);
+        const int want_row =
+            mla_jax::sm90::accumulator_row_base(t) + 8 * mla_jax::sm90::accumulator_row_half(i);
         if (row != want_row && bad++ < 5) std::printf("%s %s: thread %d element %d in row %d, expected %d\n", name, which, t, i, row, want_row);
         if (i % 2 == 1) {
           const int prow = get<0>(coords(i - 1)), pcol = get<1>(coords(i - 1));
