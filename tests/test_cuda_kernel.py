@@ -256,3 +256,34 @@ def test_64_row_blocks_bad_inputs(kernel_choice):
   out, lse, ref_out, ref_lse = _run(d, plan, jnp.bfloat16)
   assert np.isnan(ref_lse[[0, 2, 3, 4]]).all() and np.isfinite(ref_lse[1]).all()
   _check(out, lse, ref_out, ref_lse)
+
+
+@pytest.mark.parametrize("heads,batch", [(16, 24), (96, 24), (128, 24), (16, 160), (128, 160)])
+def test_consecutive_items_bad_pages_and_neighbour_queries(kernel_choice, heads, batch):
+  # Many short requests put several items (requests or pieces of them) in
+  # each partition, one after another in one CTA: a bad page id in tile 0
+  # or tile 1 must turn only its own request to NaN (a kernel that loads
+  # the next item's first tiles early must not flag the current one),
+  # invalid and empty requests sit between valid ones, and a NaN query must
+  # not leak into the request before it (a 64-row query block covers rows
+  # past its request when H x q_len is not a multiple of 64).
+  rng = np.random.default_rng(31 + heads + batch)
+  lens = rng.choice([0, 1, 63, 64, 65, 128, 129, 200, 700], size=batch).astype(np.int32)
+  lens[:9] = [130, 64, 1, 0, 129, 3000, 65, 200, 64]
+  d = random_paged_inputs(rng, lens, num_heads=heads, page_size=64)
+  num_pages = d["kv_cache"].shape[0]
+  d["block_table"][0, 0] = num_pages + 1     # tile 0 of a 3-tile request
+  d["block_table"][4, 1] = -5                # tile 1 of a 3-tile request
+  d["block_table"][6, 1] = num_pages         # tile 1 of a 2-tile request
+  d["block_table"][batch - 3, 0] = -2        # near the end of the batch
+  d["seq_lens"][2] = -1                      # invalid between valid ones
+  d["seq_lens"][batch - 5] = d["block_table"].shape[1] * 64 + 1  # over-long
+  d["seq_lens"][batch - 3] = max(int(d["seq_lens"][batch - 3]), 1)
+  nan_query = 7                              # a 200-token request
+  d["query"][nan_query] = np.nan
+  plan = mla_jax.DecodePlan(num_heads=heads, page_size=64, sm_scale=SM_SCALE, backend="cuda")
+  out, lse, ref_out, ref_lse = _run(d, plan, jnp.bfloat16)
+  expect_nan = [0, 2, 4, 6, batch - 5, batch - 3]
+  assert np.isnan(ref_lse[expect_nan]).all() and np.isfinite(ref_lse[[1, 5, 8]]).all()
+  keep = np.arange(batch) != nan_query       # its own output is not specified here
+  _check(out[keep], lse[keep], ref_out[keep], ref_lse[keep])
