@@ -168,7 +168,10 @@ def paged_decode(query, kv_cache, block_table, seq_lens, *, plan: DecodePlan,
 
   Edge cases: a request or query token with no visible position gives out 0
   and lse -inf. Cache slots past ``seq_lens[b]`` and table entries past the
-  live pages are never read. A negative ``seq_lens[b]``, one above
+  live pages are never read (known exception, README "Edge cases": on sm_90
+  with page_size a multiple of 64, NaN or Inf in the slots past
+  ``seq_lens[b]`` of a request's last page turns its out to NaN). A negative
+  ``seq_lens[b]``, one above
   ``max_pages_per_seq * page_size``, or a live page id outside
   ``[0, num_pages)`` never causes an out-of-bounds access: that request's
   out and lse are NaN (:func:`mla_jax.check_inputs` says which and why).
