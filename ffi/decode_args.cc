@@ -61,8 +61,14 @@ ffi::Error fill_decode_params(ffi::AnyBuffer q_nope, ffi::AnyBuffer q_pe, ffi::A
   if (qd.size() != 4) return invalid("q_nope must be [B, Q, H, D], got " + dims_str(qd));
   const bool q_packed = qd[3] == dqk;
   if (!q_packed && qd[3] != dn) return invalid("q_nope last dim must be 512 or 576, got " + dims_str(qd));
-  if (!q_packed && (q_pe.dimensions().size() != 4 || q_pe.dimensions()[3] != dr))
-    return invalid("q_pe must be [B, Q, H, rope], got " + dims_str(q_pe.dimensions()));
+  // A packed query carries q_pe in its rows (the q_pe operand is unused);
+  // a separate one must match q_nope's [B, Q, H] and dtype: the kernels
+  // read it with q_nope's row count.
+  auto pd = q_pe.dimensions();
+  if (!q_packed && (pd.size() != 4 || pd[0] != qd[0] || pd[1] != qd[1] || pd[2] != qd[2] || pd[3] != dr))
+    return invalid("q_pe must be [B, Q, H, rope] matching q_nope " + dims_str(qd) + ", got " + dims_str(pd));
+  if (!q_packed && q_pe.element_type() != q_nope.element_type()) return invalid("q_nope and q_pe dtypes differ");
+  if (kv_scale.element_count() != 1) return invalid("kv_scale must hold one float32");
 
   auto cd = ckv.dimensions();
   if (cd.size() != 3) return invalid("ckv must be [num_pages, page_size, D], got " + dims_str(cd));

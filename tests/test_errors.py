@@ -677,3 +677,38 @@ def test_auto_backend_other_widths_on_cpu():
   out = np.asarray(out.astype(jnp.float32))
   assert np.linalg.norm(out - ref_out) / np.linalg.norm(ref_out) < 1e-2
   np.testing.assert_allclose(np.asarray(lse), ref_lse, atol=2e-2)
+
+
+@pytest.mark.parametrize("bad", [None, "q_pe_rows", "q_pe_dtype", "kv_scale_empty"])
+def test_cpu_handler_checks_operands_itself(bad):
+  """The FFI handler re-checks what paged_decode validates at trace time, for
+  callers of the registered target itself: a q_pe with fewer rows than q_nope
+  or another dtype, or an empty kv_scale, is an error, not an out-of-bounds
+  read (None: the same call with good operands runs)."""
+  from mla_jax import _ffi  # pylint: disable=g-import-not-at-top
+  if not _ffi.has_extension():
+    pytest.skip("compiled extension not available")
+  _ffi.register()
+  inp = good_inputs()
+  q_nope, q_pe = split(inp["query"])
+  ckv, kpe = split(inp["kv_cache"])
+  scale = np.ones((1,), np.float32)
+  if bad == "q_pe_rows":
+    q_pe = np.ascontiguousarray(q_pe[:, :, :1])
+  elif bad == "q_pe_dtype":
+    q_pe = q_pe.astype(jnp.float16)
+  elif bad == "kv_scale_empty":
+    scale = np.ones((0,), np.float32)
+  out_types = (jax.ShapeDtypeStruct(q_nope.shape[:3] + (DN,), q_nope.dtype),
+               jax.ShapeDtypeStruct(q_nope.shape[:3], jnp.float32))
+  call = jax.ffi.ffi_call(_ffi.CPU_TARGET, out_types)
+  args = (q_nope, q_pe, ckv, kpe, inp["block_table"], inp["seq_lens"], scale)
+  attrs = dict(sm_scale=np.float32(0.1), causal=True, kv_lora_rank=DN, qk_rope_head_dim=DR)
+  with jax.default_device(jax.devices("cpu")[0]):
+    if bad is None:
+      out, lse = jax.block_until_ready(call(*args, **attrs))
+      assert np.isfinite(np.asarray(lse)).all()
+      return
+    match = "kv_scale" if bad == "kv_scale_empty" else "q_pe"
+    with pytest.raises(jax.errors.JaxRuntimeError, match=match):
+      jax.block_until_ready(call(*args, **attrs))
