@@ -34,18 +34,18 @@ class DecodeInputs:
   kv_scale: Any      # float32 [1]
   query_had_q_axis: bool
 
-  @property
-  def q_packed(self) -> bool:
-    return is_packed(self.q_nope, self.q_pe)
+  def q_packed(self, plan) -> bool:
+    return is_packed(self.q_nope, plan)
 
-  @property
-  def kv_packed(self) -> bool:
-    return is_packed(self.ckv, self.kpe)
+  def kv_packed(self, plan) -> bool:
+    return is_packed(self.ckv, plan)
 
 
-def is_packed(nope, pe) -> bool:
-  """Packed operands are passed twice: both halves have the full width."""
-  return nope.shape[-1] == pe.shape[-1]
+def is_packed(nope, plan) -> bool:
+  """A packed operand (passed as both halves) has the full width
+  kv_lora_rank + qk_rope_head_dim. (Comparing the two halves' widths is not
+  enough: with kv_lora_rank == qk_rope_head_dim split halves match too.)"""
+  return nope.shape[-1] == plan.kv_lora_rank + plan.qk_rope_head_dim
 
 
 def _shape(x) -> tuple:

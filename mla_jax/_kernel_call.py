@@ -72,12 +72,15 @@ def fold_into_batch(decode, per_request: tuple):
     # untypeable under explicit sharding). The transposes copy only the small
     # per-request operands and the output.
     args = list(args)
+    batch = 0
     for i in per_request:
       a = args[i]
       a = (jnp.swapaxes(a, 0, 1) if in_batched[i] else
            jnp.broadcast_to(a[:, None], (a.shape[0], axis_size) + a.shape[1:]))
+      batch = a.shape[0]
       args[i] = a.reshape((a.shape[0] * axis_size,) + a.shape[2:])
-    unfold = lambda x: jnp.swapaxes(x.reshape((-1, axis_size) + x.shape[1:]), 0, 1)
+    # Explicit sizes: a mapped axis of size 0 leaves nothing to infer a -1 from.
+    unfold = lambda x: jnp.swapaxes(x.reshape((batch, axis_size) + x.shape[1:]), 0, 1)
     out, lse = decode(*args)
     return (unfold(out), unfold(lse)), (True, True)
 

@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import checkify
 
 from ._inputs import normalize
 from .plan import DecodePlan
+from .xla_reference import capacity, live_pages
 
 
-def _first(mask):
-  """Index of the first True of a bool vector (0 if none)."""
-  return jnp.argmax(mask)
+def _canonical(x):
+  """A host array or Python/NumPy scalar as jax would see it inside jit (so an
+  int64 NumPy table with x64 off, or a plain float kv_scale, is accepted here
+  exactly when paged_decode accepts it); device arrays pass unchanged."""
+  return jnp.asarray(x) if isinstance(x, (np.ndarray, np.generic, int, float)) else x
 
 
 def check_inputs(query, kv_cache, block_table, seq_lens, *, plan: DecodePlan, kv_scale=None):
@@ -27,35 +31,43 @@ def check_inputs(query, kv_cache, block_table, seq_lens, *, plan: DecodePlan, kv
 
   Returns:
     A ``checkify.Error``: ``err.get()`` is None when every request is valid,
-    else a message naming the first bad request and the reason (negative
-    length, length above ``max_pages_per_seq * page_size``, or a live page id
-    outside ``[0, num_pages)``); ``err.throw()`` raises it.
+    else a message naming the first bad request (lowest index) and the reason
+    (negative length, length above ``max_pages_per_seq * page_size``, or a
+    live page id outside ``[0, num_pages)``, the first such entry);
+    ``err.throw()`` raises it.
 
   Raises:
     TypeError, ValueError: as :func:`mla_jax.paged_decode` for bad shapes.
   """
+  block_table, seq_lens = _canonical(block_table), _canonical(seq_lens)
+  kv_scale = None if kv_scale is None else _canonical(kv_scale)
   inputs = normalize(query, kv_cache, block_table, seq_lens, plan, kv_scale)
   num_pages = inputs.ckv.shape[0]
 
   def checks(block_table, seq_lens):
-    max_pages = block_table.shape[1]
-    capacity = max_pages * plan.page_size
+    batch, max_pages = block_table.shape
+    if batch == 0:
+      return
+    cap = capacity(max_pages, plan.page_size)
     neg = seq_lens < 0
-    b = _first(neg)
-    checkify.check(~jnp.any(neg), "request {b}: seq_lens[{b}] = {v} is negative",
-                   b=b, v=seq_lens[b])
-    long = seq_lens > capacity
-    b = _first(long)
-    checkify.check(~jnp.any(long),
+    long = seq_lens > cap
+    if max_pages:
+      live = jnp.arange(max_pages)[None, :] < live_pages(seq_lens, plan.page_size)[:, None]
+      bad_page = live & ((block_table < 0) | (block_table >= num_pages))
+    else:  # no table entries: any positive length is already too long
+      bad_page = jnp.zeros((batch, 1), bool)
+    bad = neg | long | jnp.any(bad_page, axis=1)
+    b = jnp.argmax(bad)  # the first bad request (0 when none; then no check fails)
+    j = jnp.argmax(bad_page[b])
+    v = seq_lens[b]
+    checkify.check(~(bad[b] & neg[b]), "request {b}: seq_lens[{b}] = {v} is negative", b=b, v=v)
+    checkify.check(~(bad[b] & long[b]),
                    "request {b}: seq_lens[{b}] = {v} exceeds max_pages_per_seq * page_size = {c}",
-                   b=b, v=seq_lens[b], c=jnp.int32(capacity))
-    live = jnp.arange(max_pages)[None, :] * plan.page_size < seq_lens[:, None]
-    bad = live & ((block_table < 0) | (block_table >= num_pages))
-    flat = _first(bad.reshape(-1))
-    b, j = flat // max_pages, flat % max_pages
-    checkify.check(~jnp.any(bad),
+                   b=b, v=v, c=jnp.int32(cap))
+    page_id = block_table[b, j] if max_pages else jnp.int32(0)
+    checkify.check(~(bad[b] & ~neg[b] & ~long[b]),
                    "request {b}: block_table[{b}, {j}] = {v} is outside [0, num_pages = {n})",
-                   b=b, j=j, v=block_table[b, j], n=jnp.int32(num_pages))
+                   b=b, j=j, v=page_id, n=jnp.int32(num_pages))
 
   err, _ = jax.jit(checkify.checkify(checks))(inputs.block_table, inputs.seq_lens)
   return err

@@ -5,7 +5,36 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import numpy as np
+
 BACKENDS = ("auto", "cuda", "cpu", "xla")
+
+_F32 = np.finfo(np.float32)
+
+
+def _check_int(plan, name: str, lo: int, hi: int) -> None:
+  """Field `name` of `plan` is an int (Python or NumPy) in [lo, hi]; stored as a Python int."""
+  kind = type(plan).__name__
+  v = getattr(plan, name)
+  if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
+    raise TypeError(f"{kind}.{name} must be an int, got {type(v).__name__}")
+  if not lo <= int(v) <= hi:
+    raise ValueError(f"{kind}.{name} must be in [{lo}, {hi}], got {v}")
+  object.__setattr__(plan, name, int(v))
+
+
+def _check_sm_scale(plan) -> None:
+  """sm_scale is a real number whose float32 value (what the kernels use) is
+  finite and normal (> 0); stored as a Python float."""
+  kind = type(plan).__name__
+  v = plan.sm_scale
+  if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, float, np.integer, np.floating)):
+    raise TypeError(f"{kind}.sm_scale must be a float, got {type(v).__name__}")
+  v = float(v)
+  if not (math.isfinite(v) and float(_F32.tiny) <= v <= float(_F32.max)):
+    raise ValueError(f"{kind}.sm_scale must be finite and > 0 in float32 "
+                     f"([{float(_F32.tiny):.3g}, {float(_F32.max):.3g}]), got {plan.sm_scale}")
+  object.__setattr__(plan, "sm_scale", v)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -19,7 +48,8 @@ class DecodePlan:
   Attributes:
     num_heads: query heads H (1-128). All heads share the one latent KV head.
     page_size: tokens per cache page; a power of two from 1 to 256.
-    sm_scale: softmax scale applied to q.k (e.g. 1/sqrt(192) for DeepSeek-V3).
+    sm_scale: softmax scale applied to q.k (e.g. 1/sqrt(192) for DeepSeek-V3);
+      finite and positive as a float32, which is what the kernels use.
     q_len: query tokens per request Q (1-8; >1 for MTP / speculative decode).
     causal: query token i of Q sees positions ``0 .. seq_len - Q + i``; when
       False every query token sees all ``seq_len`` positions.
@@ -31,8 +61,11 @@ class DecodePlan:
     backend: "auto" (cuda on a GPU, cpu otherwise), "cuda", "cpu", or "xla"
       (the pure-JAX reference formulation).
 
+  Integer and float fields accept NumPy scalars and store Python numbers.
+
   Raises:
-    ValueError: on construction, if a field is out of range.
+    TypeError, ValueError: on construction, if a field has the wrong type or
+      is out of range.
   """
 
   num_heads: int
@@ -46,13 +79,7 @@ class DecodePlan:
   backend: str = "auto"
 
   def __post_init__(self):
-    def _int(name, lo, hi):
-      v = getattr(self, name)
-      if isinstance(v, bool) or not isinstance(v, int):
-        raise TypeError(f"DecodePlan.{name} must be an int, got {type(v).__name__}")
-      if not lo <= v <= hi:
-        raise ValueError(f"DecodePlan.{name} must be in [{lo}, {hi}], got {v}")
-
+    _int = lambda name, lo, hi: _check_int(self, name, lo, hi)
     _int("num_heads", 1, 128)
     _int("page_size", 1, 256)
     if self.page_size & (self.page_size - 1):
@@ -62,11 +89,7 @@ class DecodePlan:
     _int("qk_rope_head_dim", 1, 1 << 16)
     if self.max_num_splits is not None:
       _int("max_num_splits", 1, 1 << 16)
-    if not isinstance(self.sm_scale, (int, float)) or isinstance(self.sm_scale, bool):
-      raise TypeError(f"DecodePlan.sm_scale must be a float, got {type(self.sm_scale).__name__}")
-    if not (math.isfinite(self.sm_scale) and self.sm_scale > 0):
-      raise ValueError(f"DecodePlan.sm_scale must be finite and > 0, got {self.sm_scale}")
-    object.__setattr__(self, "sm_scale", float(self.sm_scale))
+    _check_sm_scale(self)
     if not isinstance(self.causal, bool):
       raise TypeError(f"DecodePlan.causal must be a bool, got {type(self.causal).__name__}")
     if self.backend not in BACKENDS:
@@ -121,24 +144,14 @@ class SparseDecodePlan:
   backend: str = "auto"
 
   def __post_init__(self):
-    def _int(name, lo, hi):
-      v = getattr(self, name)
-      if isinstance(v, bool) or not isinstance(v, int):
-        raise TypeError(f"SparseDecodePlan.{name} must be an int, got {type(v).__name__}")
-      if not lo <= v <= hi:
-        raise ValueError(f"SparseDecodePlan.{name} must be in [{lo}, {hi}], got {v}")
-
+    _int = lambda name, lo, hi: _check_int(self, name, lo, hi)
     _int("num_heads", 1, 128)
     _int("page_size", 1, 256)
     if self.page_size & (self.page_size - 1):
       raise ValueError(f"SparseDecodePlan.page_size must be a power of two, got {self.page_size}")
     _int("topk", 1, 65536)
     _int("q_len", 1, 8)
-    if not isinstance(self.sm_scale, (int, float)) or isinstance(self.sm_scale, bool):
-      raise TypeError(f"SparseDecodePlan.sm_scale must be a float, got {type(self.sm_scale).__name__}")
-    if not (math.isfinite(self.sm_scale) and self.sm_scale > 0):
-      raise ValueError(f"SparseDecodePlan.sm_scale must be finite and > 0, got {self.sm_scale}")
-    object.__setattr__(self, "sm_scale", float(self.sm_scale))
+    _check_sm_scale(self)
     if self.kv_format not in KV_FORMATS:
       raise ValueError(f"SparseDecodePlan.kv_format must be one of {KV_FORMATS}, got {self.kv_format!r}")
     if self.backend not in BACKENDS:

@@ -15,13 +15,31 @@ from ._inputs import DecodeInputs
 from .plan import DecodePlan
 
 
+def live_pages(seq_lens, page_size: int):
+  """int32 [B]: pages a request's length covers, ceil(seq_len / page_size)
+  (<= 0 for a negative length), without int32 overflow near 2^31."""
+  return seq_lens // page_size + (seq_lens % page_size > 0).astype(seq_lens.dtype)
+
+
+def capacity(max_pages, page_size: int):
+  """max_pages_per_seq * page_size, clamped to int32 (seq_lens are int32, so
+  comparisons with it are unchanged); a symbolic size (jax.export) as is."""
+  cap = max_pages * page_size
+  return min(cap, 2**31 - 1) if isinstance(cap, int) else cap
+
+
+def _known_zero(*dims) -> bool:
+  """Whether any of these sizes is a concrete 0 (symbolic sizes are not)."""
+  return any(isinstance(d, int) and d == 0 for d in dims)
+
+
 def request_validity(block_table, seq_lens, num_pages: int, page_size: int):
   """bool [B]: length in range and every live page id inside the cache."""
   max_pages = block_table.shape[1]
-  live = jnp.arange(max_pages)[None, :] * page_size < seq_lens[:, None]
+  live = jnp.arange(max_pages)[None, :] < live_pages(seq_lens, page_size)[:, None]
   ids_ok = (block_table >= 0) & (block_table < num_pages)
   pages_ok = jnp.all(ids_ok | ~live, axis=1)
-  len_ok = (seq_lens >= 0) & (seq_lens <= max_pages * page_size)
+  len_ok = (seq_lens >= 0) & (seq_lens <= capacity(max_pages, page_size))
   return len_ok & pages_ok
 
 
@@ -29,21 +47,29 @@ def paged_decode_xla(inputs: DecodeInputs, plan: DecodePlan):
   """Returns out [B, Q, H, kv_lora_rank] (query dtype) and lse [B, Q, H] f32."""
   dn = plan.kv_lora_rank
   q_nope, q_pe = inputs.q_nope, inputs.q_pe
-  if inputs.q_packed:
+  if inputs.q_packed(plan):
     q_nope, q_pe = q_nope[..., :dn], q_nope[..., dn:]
   ckv, kpe = inputs.ckv, inputs.kpe
-  if inputs.kv_packed:
+  if inputs.kv_packed(plan):
     ckv, kpe = ckv[..., :dn], ckv[..., dn:]
   num_pages, page_size = ckv.shape[0], ckv.shape[1]
   block_table, seq_lens = inputs.block_table, inputs.seq_lens
-  b, q_len = q_nope.shape[0], q_nope.shape[1]
+  b, q_len, h = q_nope.shape[0], q_nope.shape[1], q_nope.shape[2]
   kv_scale = inputs.kv_scale[0]
+  n_tok = block_table.shape[1] * page_size
+
+  valid = request_validity(block_table, seq_lens, num_pages, page_size)[:, None, None]
+  if _known_zero(b, n_tok, num_pages):
+    # Nothing to gather (and nothing a gather could index): a valid request
+    # then has no visible position (out 0, lse -inf), the others are NaN.
+    out = jnp.where(valid[..., None], jnp.zeros((b, q_len, h, dn), q_nope.dtype), jnp.nan)
+    lse = jnp.where(valid, jnp.full((b, q_len, h), -jnp.inf, jnp.float32), jnp.nan)
+    return out.astype(q_nope.dtype), lse
 
   ids = jnp.clip(block_table, 0, num_pages - 1)
-  n_tok = block_table.shape[1] * page_size
   compute = q_nope.dtype
   k_nope = jnp.take(ckv, ids, axis=0).reshape(b, n_tok, dn).astype(compute)
-  k_pe = jnp.take(kpe, ids, axis=0).reshape(b, n_tok, -1).astype(compute)
+  k_pe = jnp.take(kpe, ids, axis=0).reshape(b, n_tok, kpe.shape[-1]).astype(compute)
 
   pos = jnp.arange(n_tok)
   live = pos[None, :] < seq_lens[:, None]                                  # [B, N]
@@ -67,7 +93,6 @@ def paged_decode_xla(inputs: DecodeInputs, plan: DecodePlan):
   out = jnp.einsum("bqhn,bnd->bqhd", probs.astype(compute), k_nope,
                    preferred_element_type=jnp.float32) * kv_scale
 
-  valid = request_validity(block_table, seq_lens, num_pages, page_size)[:, None, None]
   out = jnp.where(valid[..., None], out, jnp.nan)
   lse = jnp.where(valid, lse, jnp.nan)
   return out.astype(q_nope.dtype), lse

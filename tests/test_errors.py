@@ -267,6 +267,10 @@ def test_kv_scale_bad(scale, exc, match):
     (dict(sm_scale=float("nan")), ValueError, r"sm_scale must be finite and > 0"),
     (dict(sm_scale=float("inf")), ValueError, r"sm_scale must be finite and > 0"),
     (dict(sm_scale="0.1"), TypeError, r"sm_scale must be a float"),
+    (dict(sm_scale=1e39), ValueError, r"sm_scale must be finite and > 0 in float32"),   # inf in f32
+    (dict(sm_scale=1e-50), ValueError, r"sm_scale must be finite and > 0 in float32"),  # 0 in f32
+    (dict(num_heads=np.float32(4)), TypeError, r"num_heads must be an int, got float32"),
+    (dict(num_heads=np.bool_(True)), TypeError, r"num_heads must be an int, got bool"),
     (dict(causal=1), TypeError, r"causal must be a bool"),
     (dict(max_num_splits=0), ValueError, r"max_num_splits must be in"),
 ])
@@ -283,6 +287,19 @@ def test_plan_valid_extremes(kw):
   plan = plan_(**kw)
   assert isinstance(plan.sm_scale, float)
   assert plan == plan_(**kw) and hash(plan) == hash(plan_(**kw))
+
+
+def test_plan_accepts_numpy_scalars():
+  # NumPy scalars (e.g. from a config array) are stored as Python numbers, so
+  # the plan equals and hashes like the one built from Python numbers.
+  plan = plan_(num_heads=np.int64(H), page_size=np.int32(S), sm_scale=np.float32(0.125),
+               max_num_splits=np.int64(3))
+  assert plan == plan_(sm_scale=0.125, max_num_splits=3)
+  assert hash(plan) == hash(plan_(sm_scale=0.125, max_num_splits=3))
+  assert type(plan.num_heads) is int and type(plan.sm_scale) is float
+  sparse = mla_jax.SparseDecodePlan(num_heads=np.int64(4), page_size=64, sm_scale=np.float64(0.1),
+                                    topk=np.int32(8))
+  assert sparse == mla_jax.SparseDecodePlan(num_heads=4, page_size=64, sm_scale=0.1, topk=8)
 
 
 # --- autodiff ---------------------------------------------------------------------
@@ -421,6 +438,45 @@ def test_check_inputs_reports_first_bad_request():
   sl = inp["seq_lens"].copy()
   sl[1], sl[3] = -1, -2
   assert _check(dict(inp, seq_lens=sl), plan).get().startswith("request 1: ")
+  # The lowest bad index wins whatever the reasons: a bad page id in request
+  # 0 before a too-long request 2 and a negative length in request 3.
+  bt, sl = inp["block_table"].copy(), inp["seq_lens"].copy()
+  bt[0, 0] = inp["kv_cache"].shape[0]
+  sl[2], sl[3] = 2 * S + 1, -1
+  assert _check(dict(inp, block_table=bt, seq_lens=sl), plan).get().startswith(
+      "request 0: block_table[0, 0]")
+
+
+def test_check_inputs_empty_and_huge_tables():
+  inp, plan = _check_inputs_case()
+  q, kv = inp["query"], inp["kv_cache"]
+  empty = mla_jax.check_inputs(q[:0], kv, inp["block_table"][:0], inp["seq_lens"][:0], plan=plan)
+  assert empty.get() is None
+  no_pages = np.zeros((q.shape[0], 0), np.int32)
+  sl = np.zeros(q.shape[0], np.int32)
+  assert mla_jax.check_inputs(q, kv, no_pages, sl, plan=plan).get() is None
+  sl[1] = 1
+  assert mla_jax.check_inputs(q, kv, no_pages, sl, plan=plan).get().startswith(
+      "request 1: seq_lens[1] = 1 exceeds max_pages_per_seq * page_size = 0")
+  # max_pages_per_seq * page_size above int32: no overflow, the full length is valid.
+  big = plan_(q_len=1, page_size=256)
+  table = np.zeros((1, 2**23 + 1), np.int32)
+  lens = np.array([2**31 - 1], np.int32)
+  kv1 = jnp.zeros((2, 256, D), kv.dtype)
+  assert mla_jax.check_inputs(q[:1], kv1, table, lens, plan=big).get() is None
+
+
+def test_check_inputs_accepts_what_paged_decode_accepts():
+  # paged_decode runs under jit, where int64 NumPy tables (x64 off) become
+  # int32 and a Python float kv_scale float32; check_inputs takes them too.
+  if jax.config.jax_enable_x64:
+    pytest.skip("with x64 on, int64 tables are rejected by both (test_int64_tables_rejected_with_x64)")
+  inp, plan = _check_inputs_case()
+  bt64, sl64 = inp["block_table"].astype(np.int64), inp["seq_lens"].astype(np.int64)
+  assert _check(dict(inp, block_table=bt64, seq_lens=sl64), plan).get() is None
+  kv8 = jnp.asarray(inp["kv_cache"]).astype(jnp.float8_e4m3fn)
+  err = mla_jax.check_inputs(inp["query"], kv8, bt64, sl64, plan=plan, kv_scale=0.5)
+  assert err.get() is None
 
 
 def test_check_inputs_under_jit():

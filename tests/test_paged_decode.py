@@ -433,3 +433,47 @@ class VariantsTest(chex.TestCase):
                           fn=lambda *a, plan: decode(*a))
     ref_out, ref_lse = case.reference()
     assert_matches_reference(out, lse, ref_out, ref_lse, case.dtype)
+
+
+@pytest.mark.parametrize("backend", ["auto", "cpu", "xla"])
+def test_empty_batch_table_and_cache(backend):
+  """B = 0, a table with no columns, and a cache with no pages: nothing to
+  read, so B = 0 gives empty results and the others give out 0 / lse -inf
+  for an empty request and NaN for one that claims tokens."""
+  plan = mla_jax.DecodePlan(num_heads=4, page_size=16, sm_scale=SM_SCALE, backend=backend)
+  if backend == "auto" and HAS_GPU:
+    pytest.skip("auto picks cuda here; this checks the CPU-side paths")
+  dev = jax.devices("cpu")[0]
+  q = jnp.ones((2, 4, D), jnp.bfloat16)
+  kv = jnp.zeros((3, 16, D), jnp.bfloat16)
+  with jax.default_device(dev):
+    out, lse = mla_jax.paged_decode(q[:0], kv, np.zeros((0, 2), np.int32), np.zeros(0, np.int32),
+                                    plan=plan, return_lse=True)
+    assert out.shape == (0, 4, DN) and lse.shape == (0, 4)
+    lens = np.array([0, 3], np.int32)
+    for cache, table in ((kv, np.zeros((2, 0), np.int32)), (kv[:0], np.zeros((2, 2), np.int32))):
+      out, lse = mla_jax.paged_decode(q, cache, table, lens, plan=plan, return_lse=True)
+      out, lse = np.asarray(out.astype(jnp.float32)), np.asarray(lse)
+      assert (out[0] == 0).all() and np.isneginf(lse[0]).all()
+      assert np.isnan(out[1]).all() and np.isnan(lse[1]).all()
+
+
+@pytest.mark.parametrize("backend", ["cpu", "xla"])
+def test_equal_latent_and_rope_widths(backend):
+  """kv_lora_rank == qk_rope_head_dim: split operands have equal widths, yet
+  they are not packed ones; both forms must give the same result."""
+  rng = np.random.default_rng(5)
+  q = jnp.asarray(rng.standard_normal((2, 2, 128)), jnp.bfloat16)
+  c = jnp.asarray(rng.standard_normal((4, 4, 128)), jnp.bfloat16)
+  bt, sl = np.array([[0, 1], [2, 3]], np.int32), np.array([5, 8], np.int32)
+  plan = mla_jax.DecodePlan(num_heads=2, page_size=4, sm_scale=0.1, kv_lora_rank=64,
+                            qk_rope_head_dim=64, backend=backend)
+  with jax.default_device(jax.devices("cpu")[0]):
+    packed = mla_jax.paged_decode(q, c, bt, sl, plan=plan)
+    split = mla_jax.paged_decode((q[..., :64], q[..., 64:]), (c[..., :64], c[..., 64:]), bt, sl,
+                                 plan=plan)
+  np.testing.assert_array_equal(np.asarray(packed.astype(jnp.float32)),
+                                np.asarray(split.astype(jnp.float32)))
+  ref, _ = reference_paged_decode(np.asarray(q.astype(jnp.float32))[:, None], np.asarray(
+      c.astype(jnp.float32)), bt, sl, plan)
+  np.testing.assert_allclose(np.asarray(packed.astype(jnp.float32)), ref[:, 0], atol=3e-2)

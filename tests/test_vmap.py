@@ -67,6 +67,15 @@ def test_vmap_folds_into_batch(data, backend, q_len):
     assert f"tensor<{3 * B}x{q_len}x{H}x576xbf16>" in hlo
 
 
+@pytest.mark.parametrize("backend", ["auto", "cpu", "xla"])
+def test_vmap_over_an_empty_axis(data, backend):
+  # A mapped axis of size 0 folds into a batch of 0 requests and unfolds back.
+  f = _op(_plan(backend))
+  args = (data["q1"][0][:0], data["kv"], data["bt"][0][:0], data["sl"][0][:0])
+  out, lse = jax.vmap(f, in_axes=(0, None, 0, 0))(*args)
+  assert out.shape == (0, B, H, 512) and lse.shape == (0, B, H)
+
+
 def test_nested_vmap(data):
   f = _op(_plan())
   inner = jax.vmap(f, in_axes=(0, None, 0, 0))
