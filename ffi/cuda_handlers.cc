@@ -3,6 +3,7 @@
 // the handler allocates nothing and is safe inside command buffers.
 #include <cuda_runtime.h>
 
+#include <cstdint>
 #include <string>
 
 #include "csrc/sm80/api.h"
@@ -26,11 +27,17 @@ ffi::Error make_workspace(int64_t requests, int64_t rows, int64_t dv, int64_t ma
                           F32Result out_accum, F32Result lse_accum, sm80::DecodeWorkspace* ws) {
   auto parts_dims = part_begin->dimensions();
   auto item_dims = items->dimensions();
+  if (parts_dims.size() < 1 || item_dims.size() < 1 || max_num_splits < 0 ||
+      parts_dims[parts_dims.size() - 1] > INT32_MAX || item_dims[0] > INT32_MAX) {
+    return ffi::Error::InvalidArgument("mla_jax: malformed scratch buffers or max_num_splits");
+  }
   ws->num_parts = static_cast<int>(parts_dims[parts_dims.size() - 1]) - 1;
   ws->max_items = static_cast<int>(item_dims[0]);
   ws->max_num_splits = static_cast<int>(max_num_splits);
   const size_t max_items = static_cast<size_t>(ws->max_items);
-  if (ws->num_parts < 1 || ws->max_items < requests + ws->num_parts ||
+  // The scheduler writes part_begin[0 .. num_parts] and reads every item slot.
+  if (ws->num_parts < 1 || part_begin->element_count() < static_cast<size_t>(ws->num_parts) + 1 ||
+      ws->max_items < requests + ws->num_parts ||
       request_meta->element_count() < static_cast<size_t>(2 * requests) ||
       items->element_count() < 4 * max_items ||
       out_accum->element_count() < max_items * rows * dv || lse_accum->element_count() < max_items * rows) {

@@ -1,5 +1,6 @@
 #include "ffi/decode_args.h"
 
+#include <cstdint>
 #include <string>
 
 namespace mla_jax {
@@ -57,6 +58,7 @@ ffi::Error fill_decode_params(ffi::AnyBuffer q_nope, ffi::AnyBuffer q_pe, ffi::A
                               bool causal, int64_t kv_lora_rank, int64_t qk_rope_head_dim,
                               PagedDecodeParams* p) {
   const int64_t dn = kv_lora_rank, dr = qk_rope_head_dim, dqk = dn + dr;
+  if (dn <= 0 || dr <= 0) return invalid("kv_lora_rank and qk_rope_head_dim must be positive");
   auto qd = q_nope.dimensions();
   if (qd.size() != 4) return invalid("q_nope must be [B, Q, H, D], got " + dims_str(qd));
   const bool q_packed = qd[3] == dqk;
@@ -72,6 +74,9 @@ ffi::Error fill_decode_params(ffi::AnyBuffer q_nope, ffi::AnyBuffer q_pe, ffi::A
 
   auto cd = ckv.dimensions();
   if (cd.size() != 3) return invalid("ckv must be [num_pages, page_size, D], got " + dims_str(cd));
+  // page_size divides token positions; page ids and the table width are int32.
+  if (cd[1] < 1) return invalid("ckv needs page_size >= 1, got " + dims_str(cd));
+  if (cd[0] > INT32_MAX) return invalid("ckv has more than 2^31 - 1 pages: " + dims_str(cd));
   const bool kv_packed = cd[2] == dqk;
   if (!kv_packed && cd[2] != dn) return invalid("ckv last dim must be 512 or 576, got " + dims_str(cd));
   if (!kv_packed && (kpe.dimensions().size() != 3 || kpe.dimensions()[2] != dr))
@@ -82,6 +87,7 @@ ffi::Error fill_decode_params(ffi::AnyBuffer q_nope, ffi::AnyBuffer q_pe, ffi::A
   if (sl.size() != 1 || bt.size() != 2 || bt[0] != sl[0] || qd[0] != sl[0])
     return invalid("batch sizes disagree: q " + dims_str(qd) + ", block_table " + dims_str(bt) +
                    ", seq_lens " + dims_str(sl));
+  if (bt[1] > INT32_MAX) return invalid("block_table is wider than 2^31 - 1 pages: " + dims_str(bt));
   if (!elem_type_of(q_nope.element_type(), &p->q_type) || p->q_type == ElemType::kFP8E4M3)
     return invalid("query must be bfloat16 or float16");
   if (!elem_type_of(ckv.element_type(), &p->kv_type)) return invalid("cache must be bf16, f16 or float8_e4m3fn");

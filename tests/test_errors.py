@@ -735,12 +735,15 @@ def test_auto_backend_other_widths_on_cpu():
   np.testing.assert_allclose(np.asarray(lse), ref_lse, atol=2e-2)
 
 
-@pytest.mark.parametrize("bad", [None, "q_pe_rows", "q_pe_dtype", "kv_scale_empty"])
+@pytest.mark.parametrize("bad", [None, "q_pe_rows", "q_pe_dtype", "kv_scale_empty", "page_size_0",
+                                 "negative_rope"])
 def test_cpu_handler_checks_operands_itself(bad):
   """The FFI handler re-checks what paged_decode validates at trace time, for
   callers of the registered target itself: a q_pe with fewer rows than q_nope
-  or another dtype, or an empty kv_scale, is an error, not an out-of-bounds
-  read (None: the same call with good operands runs)."""
+  or another dtype, an empty kv_scale, a cache with page_size 0 or widths
+  that only add up (kv_lora_rank 640, qk_rope_head_dim -64) is an error, not
+  an out-of-bounds access or a crash (None: the same call with good operands
+  runs)."""
   from mla_jax import _ffi  # pylint: disable=g-import-not-at-top
   if not _ffi.has_extension():
     pytest.skip("compiled extension not available")
@@ -755,16 +758,25 @@ def test_cpu_handler_checks_operands_itself(bad):
     q_pe = q_pe.astype(jnp.float16)
   elif bad == "kv_scale_empty":
     scale = np.ones((0,), np.float32)
-  out_types = (jax.ShapeDtypeStruct(q_nope.shape[:3] + (DN,), q_nope.dtype),
+  elif bad == "page_size_0":
+    ckv, kpe = ckv[:, :0], kpe[:, :0]
+  attrs = dict(sm_scale=np.float32(0.1), causal=True, kv_lora_rank=DN, qk_rope_head_dim=DR)
+  dv = DN
+  if bad == "negative_rope":  # packed operands: 640 + (-64) = 576 matches their width
+    q_nope = q_pe = inp["query"]
+    ckv = kpe = inp["kv_cache"]
+    attrs.update(kv_lora_rank=640, qk_rope_head_dim=-64)
+    dv = 640
+  out_types = (jax.ShapeDtypeStruct(q_nope.shape[:3] + (dv,), q_nope.dtype),
                jax.ShapeDtypeStruct(q_nope.shape[:3], jnp.float32))
   call = jax.ffi.ffi_call(_ffi.CPU_TARGET, out_types)
   args = (q_nope, q_pe, ckv, kpe, inp["block_table"], inp["seq_lens"], scale)
-  attrs = dict(sm_scale=np.float32(0.1), causal=True, kv_lora_rank=DN, qk_rope_head_dim=DR)
   with jax.default_device(jax.devices("cpu")[0]):
     if bad is None:
       out, lse = jax.block_until_ready(call(*args, **attrs))
       assert np.isfinite(np.asarray(lse)).all()
       return
-    match = "kv_scale" if bad == "kv_scale_empty" else "q_pe"
+    match = {"kv_scale_empty": "kv_scale", "page_size_0": "page_size >= 1",
+             "negative_rope": "must be positive"}.get(bad, "q_pe")
     with pytest.raises(jax.errors.JaxRuntimeError, match=match):
       jax.block_until_ready(call(*args, **attrs))

@@ -477,3 +477,24 @@ def test_equal_latent_and_rope_widths(backend):
   ref, _ = reference_paged_decode(np.asarray(q.astype(jnp.float32))[:, None], np.asarray(
       c.astype(jnp.float32)), bt, sl, plan)
   np.testing.assert_allclose(np.asarray(packed.astype(jnp.float32)), ref[:, 0], atol=3e-2)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_overflowing_score_gets_weight_zero(backend):
+  """A q.k that overflows float32 to -inf (here at a request's first
+  position, the first score its row sees) has weight 0, as in the float64
+  reference, instead of turning the row into NaN."""
+  rng = np.random.default_rng(7)
+  d = random_paged_inputs(rng, [40, 20], num_heads=4, page_size=16)
+  q, kv = d["query"].copy(), d["kv_cache"].copy()
+  kv[..., DN] = 0.0                              # kpe feature 0 is 0 everywhere ...
+  kv[d["block_table"][0, 0], 0, DN] = 1e30       # ... but at request 0's position 0,
+  q[0, :, :, DN] = -1e30                         # where q_pe . kpe is about -1e60
+  q, kv = q.astype(jnp.bfloat16), kv.astype(jnp.bfloat16)
+  plan = make_plan(backend, num_heads=4, page_size=16)
+  out, lse = run_decode(backend, q[:, 0], kv, d["block_table"], d["seq_lens"], plan, return_lse=True)
+  ref_out, ref_lse = reference_paged_decode(np.asarray(q.astype(jnp.float32)),
+                                            np.asarray(kv.astype(jnp.float32)), d["block_table"],
+                                            d["seq_lens"], plan)
+  assert np.isfinite(ref_lse).all()
+  assert_matches_reference(out, lse, ref_out[:, 0], ref_lse[:, 0], jnp.bfloat16)

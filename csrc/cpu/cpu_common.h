@@ -50,6 +50,9 @@ struct SoftmaxRow {
   float sum = 0.0f;
 
   void add(float s, const float* v, float* acc, int dn) {
+    // A score of -inf (e.g. a float32 product that overflowed) has weight 0
+    // wherever it comes; first in a row it would make exp(-inf - -inf) NaN.
+    if (s == -INFINITY) return;
     if (s > max) {
       const float correction = std::exp(max - s);  // exp(-inf) = 0 the first time
       sum *= correction;
