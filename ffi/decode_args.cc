@@ -33,6 +33,13 @@ bool elem_type_of(ffi::DataType dt, ElemType* out) {
 
 int64_t elem_bytes_of(ElemType t) { return t == ElemType::kFP8E4M3 ? 1 : 2; }
 
+// Empty when a separate q_pe is [B, Q, H, rope] with q_nope's [B, Q, H] (the
+// kernels read it with q_nope's row count); else the error message.
+std::string q_pe_shape_error(ffi::Span<const int64_t> qd, ffi::Span<const int64_t> pd, int64_t dr) {
+  if (pd.size() == 4 && pd[0] == qd[0] && pd[1] == qd[1] && pd[2] == qd[2] && pd[3] == dr) return "";
+  return "q_pe must be [B, Q, H, rope] matching q_nope " + dims_str(qd) + ", got " + dims_str(pd);
+}
+
 // Query row pointers and strides (elements; the query is bf16/fp16). A
 // packed query's q_pe starts kv_lora_rank elements into each 576-wide row.
 void set_query_rows(ffi::AnyBuffer q_nope, ffi::AnyBuffer q_pe, bool packed, int64_t dn, int64_t dr,
@@ -63,13 +70,12 @@ ffi::Error fill_decode_params(ffi::AnyBuffer q_nope, ffi::AnyBuffer q_pe, ffi::A
   if (qd.size() != 4) return invalid("q_nope must be [B, Q, H, D], got " + dims_str(qd));
   const bool q_packed = qd[3] == dqk;
   if (!q_packed && qd[3] != dn) return invalid("q_nope last dim must be 512 or 576, got " + dims_str(qd));
-  // A packed query carries q_pe in its rows (the q_pe operand is unused);
-  // a separate one must match q_nope's [B, Q, H] and dtype: the kernels
-  // read it with q_nope's row count.
-  auto pd = q_pe.dimensions();
-  if (!q_packed && (pd.size() != 4 || pd[0] != qd[0] || pd[1] != qd[1] || pd[2] != qd[2] || pd[3] != dr))
-    return invalid("q_pe must be [B, Q, H, rope] matching q_nope " + dims_str(qd) + ", got " + dims_str(pd));
-  if (!q_packed && q_pe.element_type() != q_nope.element_type()) return invalid("q_nope and q_pe dtypes differ");
+  // A packed query carries q_pe in its rows (the q_pe operand is unused).
+  if (!q_packed) {
+    const std::string err = q_pe_shape_error(qd, q_pe.dimensions(), dr);
+    if (!err.empty()) return invalid(err);
+    if (q_pe.element_type() != q_nope.element_type()) return invalid("q_nope and q_pe dtypes differ");
+  }
   if (kv_scale.element_count() != 1) return invalid("kv_scale must hold one float32");
 
   auto cd = ckv.dimensions();
@@ -150,9 +156,10 @@ ffi::Error fill_sparse_params(ffi::AnyBuffer q_nope, ffi::AnyBuffer q_pe, ffi::A
   const bool q_packed = qd[3] == dqk;
   if (!q_packed && qd[3] != dn)
     return invalid("q_nope last dim must be kv_lora_rank or kv_lora_rank + rope, got " + dims_str(qd));
-  auto pd = q_pe.dimensions();
-  if (!q_packed && (pd.size() != 4 || pd[0] != qd[0] || pd[1] != qd[1] || pd[2] != qd[2] || pd[3] != dr))
-    return invalid("q_pe must be [B, Q, H, rope] matching q_nope " + dims_str(qd) + ", got " + dims_str(pd));
+  if (!q_packed) {
+    const std::string err = q_pe_shape_error(qd, q_pe.dimensions(), dr);
+    if (!err.empty()) return invalid(err);
+  }
   if (!elem_type_of(q_nope.element_type(), &p->q_type) || p->q_type == ElemType::kFP8E4M3)
     return invalid("query must be bfloat16 or float16");
   if (q_pe.element_type() != q_nope.element_type()) return invalid("q_nope and q_pe dtypes differ");

@@ -9,7 +9,7 @@ from jax.experimental import checkify
 
 from ._inputs import normalize
 from .plan import DecodePlan
-from .xla_reference import capacity, live_pages
+from .xla_reference import bad_live_pages, capacity
 
 
 def _canonical(x):
@@ -52,8 +52,7 @@ def check_inputs(query, kv_cache, block_table, seq_lens, *, plan: DecodePlan, kv
     neg = seq_lens < 0
     long = seq_lens > cap
     if max_pages:
-      live = jnp.arange(max_pages)[None, :] < live_pages(seq_lens, plan.page_size)[:, None]
-      bad_page = live & ((block_table < 0) | (block_table >= num_pages))
+      bad_page = bad_live_pages(block_table, seq_lens, num_pages, plan.page_size)
     else:  # no table entries: any positive length is already too long
       bad_page = jnp.zeros((batch, 1), bool)
     bad = neg | long | jnp.any(bad_page, axis=1)

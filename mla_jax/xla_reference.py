@@ -33,13 +33,17 @@ def _known_zero(*dims) -> bool:
   return any(isinstance(d, int) and d == 0 for d in dims)
 
 
+def bad_live_pages(block_table, seq_lens, num_pages: int, page_size: int):
+  """bool [B, T]: table entries a request's length covers whose page id is
+  outside [0, num_pages)."""
+  live = jnp.arange(block_table.shape[1])[None, :] < live_pages(seq_lens, page_size)[:, None]
+  return live & ((block_table < 0) | (block_table >= num_pages))
+
+
 def request_validity(block_table, seq_lens, num_pages: int, page_size: int):
   """bool [B]: length in range and every live page id inside the cache."""
-  max_pages = block_table.shape[1]
-  live = jnp.arange(max_pages)[None, :] < live_pages(seq_lens, page_size)[:, None]
-  ids_ok = (block_table >= 0) & (block_table < num_pages)
-  pages_ok = jnp.all(ids_ok | ~live, axis=1)
-  len_ok = (seq_lens >= 0) & (seq_lens <= capacity(max_pages, page_size))
+  pages_ok = ~jnp.any(bad_live_pages(block_table, seq_lens, num_pages, page_size), axis=1)
+  len_ok = (seq_lens >= 0) & (seq_lens <= capacity(block_table.shape[1], page_size))
   return len_ok & pages_ok
 
 
