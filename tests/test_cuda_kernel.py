@@ -287,3 +287,30 @@ def test_consecutive_items_bad_pages_and_neighbour_queries(kernel_choice, heads,
   assert np.isnan(ref_lse[expect_nan]).all() and np.isfinite(ref_lse[[1, 5, 8]]).all()
   keep = np.arange(batch) != nan_query       # its own output is not specified here
   _check(out[keep], lse[keep], ref_out[keep], ref_lse[keep])
+
+
+@pytest.mark.parametrize("heads,page_size", [(128, 64), (16, 64), (64, 128)])
+def test_nan_in_unused_slots_of_last_page_whole_tile_loads(kernel_choice, heads, page_size):
+  # TMA copies whole 64-token tiles (page sizes that are multiples of 64), so
+  # the slots past seq_len in a request's last page reach shared memory; P is
+  # 0 there, but 0 x NaN is NaN in P V unless those V rows are cleared. The
+  # result must equal the clean run bit for bit (tests/test_paged_decode.py
+  # checks the same promise on a page size the portable kernel serves).
+  rng = np.random.default_rng(41 + heads + page_size)
+  lens = [1, 63, 65, 127, 129, 200, 5000, 9001, 64, 128]
+  d = random_paged_inputs(rng, lens, num_heads=heads, page_size=page_size)
+  plan = mla_jax.DecodePlan(num_heads=heads, page_size=page_size, sm_scale=SM_SCALE, backend="cuda")
+  clean = _run(d, plan, jnp.bfloat16)
+  _check(*clean)
+  kv = d["kv_cache"]
+  used = set(int(i) for i in d["block_table"][d["block_table"] >= 0])
+  for p in range(kv.shape[0]):
+    if p not in used:
+      kv[p] = np.nan
+  for b, n in enumerate(d["seq_lens"]):
+    if n % page_size:
+      page = d["block_table"][b, (int(n) - 1) // page_size]
+      kv[page, n % page_size:] = np.nan if b % 2 else np.inf
+  poisoned = _run(d, plan, jnp.bfloat16)
+  np.testing.assert_array_equal(poisoned[0], clean[0])
+  np.testing.assert_array_equal(poisoned[1], clean[1])

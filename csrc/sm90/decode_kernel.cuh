@@ -356,6 +356,20 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         for (int i = 0; i < size(tOrO); ++i) tOrO(i) *= correction[accumulator_row_half(i)];
       }
       if constexpr (kHasNext) clear(tSrS);  // S(t+1) accumulates from zero
+      // TMA loads whole 64-row tiles: rows at or past tok_end (the request's
+      // last tile) hold whatever the cache has there, and 0 x NaN is NaN in
+      // P V. Both S(t) halves are done (the barrier above), so each
+      // warpgroup zeroes those rows of the V half it multiplies; the fence
+      // and barrier below publish it. (cp.async zero-fills them itself.)
+      if (use_tma) {
+        const int valid = static_cast<int>(tok_end - int64_t{tile_begin + t} * kBlockN);
+        char* dst = sKv_bytes + stage * Tr::kTileBytes;
+        constexpr int kHalfChunks = Tr::kOCols / 8;
+        for (int idx = wg_tid; idx < (kBlockN - max(valid, 0)) * kHalfChunks; idx += 128) {
+          const int row = valid + idx / kHalfChunks, chunk = wg * kHalfChunks + idx % kHalfChunks;
+          *reinterpret_cast<uint4*>(dst + qk_chunk_offset(row, chunk)) = make_uint4(0u, 0u, 0u, 0u);
+        }
+      }
       cute::cp_async_wait<0>();  // tile t+1 (the only group in flight)
       fence_smem_for_wgmma();
       if constexpr (kHasNext) wait_tile(t + 1);

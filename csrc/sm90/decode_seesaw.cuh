@@ -50,8 +50,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   using Elem = typename Tr::Elem;
   constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN;
   constexpr int kRopeBlock = 8 * 8192;  // byte offset of a stage's rope block (P_a in stage 0)
-  // Named barrier ids (cutlass offsets them past its reserved ones).
-  constexpr uint32_t kBarMaxA = 0, kBarMaxB = 1, kBarPa = 2, kBarPb = 3;
+  // Named barrier ids (cutlass offsets them past its reserved ones); the
+  // last two are warpgroup-local (128 threads).
+  constexpr uint32_t kBarMaxA = 0, kBarMaxB = 1, kBarPa = 2, kBarPb = 3, kBarTail0 = 4, kBarTail1 = 5;
   using cutlass::arch::NamedBarrier;
   using FullBarrier = cutlass::arch::ClusterTransactionBarrier;
 
@@ -194,6 +195,27 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     };
     // This warpgroup's part of a whole tile (prologue): 0-3 or 4-8.
     auto issue_own_part = [&](int t, int entry) { issue_boxes(t, entry, wg == 0 ? 0 : 4, wg == 0 ? 4 : 5); };
+    // TMA copies whole 64-row tiles, so in the request's last tile (length
+    // not a multiple of 64) the rows at or past tok_end hold whatever the
+    // cache has in those slots. Their P is 0, but 0 x NaN or 0 x Inf is NaN
+    // in P V. So the warpgroup that computed S of tile t (done: nothing
+    // else reads the tile's K part) zeroes those rows' V part (blocks 0-7)
+    // in `stage`, fences for wgmma and syncs its own 128 threads before its
+    // P V; the other warpgroup reads the tile's V only after the hand-off
+    // that follows (Pa for tile a, Pb for tile b). tok_end and tile_begin
+    // are the same in every thread, so the barrier is taken or skipped by
+    // the whole warpgroup.
+    auto clear_v_tail = [&](int t, int stage) {
+      const int valid = static_cast<int>(tok_end - int64_t{tile_begin + t} * kBlockN);
+      if (valid >= kBlockN) return;
+      char* dst = sKv_shared + stage * Tr::kTileBytes;
+      for (int idx = wg_tid; idx < (kBlockN - valid) * Tr::kNopeChunks; idx += 128) {
+        const int row = valid + idx / Tr::kNopeChunks, chunk = idx % Tr::kNopeChunks;
+        *reinterpret_cast<uint4*>(dst + qk_chunk_offset(row, chunk)) = make_uint4(0u, 0u, 0u, 0u);
+      }
+      fence_smem_for_wgmma();
+      NamedBarrier::sync(128, wg == 0 ? kBarTail0 : kBarTail1);
+    };
 
     load_query_rows<Tr>(p, sQ_bytes, it.b, m0, tid);
     cute::cp_async_fence();
@@ -337,6 +359,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       }
       float m_a[2], m_b[2], tmax[2], sum[2], c[2];
       if (wg == 0) {
+        clear_v_tail(ta, 0);  // S(a) is done
         tile_rowmax(ta, tmax);
 #pragma unroll
         for (int rr = 0; rr < 2; ++rr) {
@@ -392,6 +415,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         warpgroup_fence_operand(tOrO);
         warpgroup_fence_operand(tSrS);
       } else {
+        if constexpr (kHasB) clear_v_tail(tb, 1);  // S(b) is done
         NamedBarrier::sync(256, kBarMaxA);
         read_max(m_a, 0);
         if constexpr (kHasB) {
