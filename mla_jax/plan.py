@@ -57,7 +57,8 @@ class DecodePlan:
     qk_rope_head_dim: width of the rope part ``kpe`` (64 for DeepSeek).
     max_num_splits: upper bound on how many KV splits (FlashDecoding) one
       request may be cut into on the GPU; None lets the on-device scheduler
-      choose (at most one split per SM partition).
+      choose (at most one split per SM partition, and none when whole
+      requests spread within 5 % of an equal share).
     backend: "auto" (cuda on a GPU, cpu otherwise), "cuda", "cpu", or "xla"
       (the pure-JAX reference formulation).
 

@@ -314,3 +314,27 @@ def test_nan_in_unused_slots_of_last_page_whole_tile_loads(kernel_choice, heads,
   poisoned = _run(d, plan, jnp.bfloat16)
   np.testing.assert_array_equal(poisoned[0], clean[0])
   np.testing.assert_array_equal(poisoned[1], clean[1])
+
+
+@pytest.mark.parametrize("heads,q_len,per_part", [(16, 1, 1), (16, 1, 2), (128, 1, 1), (128, 2, 2)])
+def test_whole_request_schedule_when_balanced(heads, q_len, per_part):
+  # Two requests fewer than per_part per partition, all of one length: an
+  # equal share cuts most of them (the share does not line up with the
+  # requests), while placed whole no partition carries more than 3 % above
+  # that share, so the schedulers cut none (csrc/sm80/schedule_math.cuh).
+  # The result must then equal the max_num_splits=1 schedule bit for bit; a
+  # cut request goes through float32 partials and the combine instead. Two
+  # per partition at 16 heads is over 256 requests: the scheduler kernel's
+  # second chunk.
+  from mla_jax._scratch import cuda_num_parts
+  batch = per_part * cuda_num_parts(q_len * heads) - 2
+  rng = np.random.default_rng(43 + heads + batch)
+  d = random_paged_inputs(rng, [1000] * batch, num_heads=heads, page_size=64, q_len=q_len)
+  results = []
+  for max_num_splits in (None, 1):
+    plan = mla_jax.DecodePlan(num_heads=heads, page_size=64, sm_scale=SM_SCALE, q_len=q_len,
+                              causal=q_len > 1, backend="cuda", max_num_splits=max_num_splits)
+    results.append(_run(d, plan, jnp.bfloat16))
+  _check(*results[0])
+  np.testing.assert_array_equal(results[0][0], results[1][0])
+  np.testing.assert_array_equal(results[0][1], results[1][1])

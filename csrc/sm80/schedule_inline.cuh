@@ -46,7 +46,21 @@ __device__ __forceinline__ int schedule_partition_inline(const PagedDecodeParams
   }
   const int64_t work = __shfl_sync(kAll, end_pos, 31);
   const int parts = partitions_for(work, ws.num_parts);
-  const RequestCut cut = cut_request(n, end_pos - w + kSplitOverhead, work, parts, ws.max_num_splits);
+  const int64_t first_block_pos = end_pos - w + kSplitOverhead;
+  // Whole requests or cut ones, as the scheduler kernel decides: the load of
+  // this lane's whole-request partition (the lanes whose first block falls
+  // in the same one; 0 in lanes past the batch), then the busiest.
+  const int whole_part = live ? cut_request(n, first_block_pos, work, parts, 1).p_first : -1;
+  int64_t load = 0;
+#pragma unroll 4
+  for (int j = 0; j < 32; ++j) {
+    const int64_t w_j = __shfl_sync(kAll, w, j);
+    if (__shfl_sync(kAll, whole_part, j) == whole_part) load += w_j;
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) load = max(load, __shfl_xor_sync(kAll, load, o));
+  const int max_splits = effective_max_splits(load, work, parts, ws.max_num_splits);
+  const RequestCut cut = cut_request(n, first_block_pos, work, parts, max_splits);
   const int count = live ? cut.count : 0;
   int first = count;  // inclusive, then exclusive scan of the item counts
 #pragma unroll

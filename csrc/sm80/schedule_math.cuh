@@ -54,6 +54,19 @@ __device__ __forceinline__ int part_of(int64_t pos, int64_t total, int parts) {
   return static_cast<int>(p < parts - 1 ? p : parts - 1);
 }
 
+// Whole requests: placing every request, uncut, in the partition of its
+// first block avoids the split pieces' float32 partials and their combine,
+// at the price of a less even load. The schedulers take it (by capping
+// every request at one item) when the busiest partition then carries at
+// most kWholeRequestSlackPct % more than the equal share of the cut
+// schedule. Measured on the H200 (benchmarks/NOTES.md, v8; device traces,
+// whole / cut, us): 128 x 8k tokens at 64 heads 315.7 / 363.4, 128 x 4k at
+// 128 heads 284.2 / 299.0, at 16 heads 168.8 / 176.2, 128 x 8k at 128 heads
+// 515.0 / 539.9; 128 x 4k at q_len 2 and 128 heads 531.7 / 521.3 (slack
+// 3 % there too). Where requests are fewer than partitions the slack is far
+// above 5 % (32 x 4k at 128 heads: 127.9 / 94.7 us if forced).
+constexpr int kWholeRequestSlackPct = 5;
+
 // Where a request sits on the work line and how its items cut it.
 struct RequestCut {
   int64_t first_block_pos;  // line position of the request's first KV block
@@ -77,6 +90,14 @@ __device__ __forceinline__ RequestCut cut_request(int n, int64_t first_block_pos
   int count = p_last - p_first + 1;
   if (max_num_splits > 0 && count > max_num_splits) count = max_num_splits;
   return RequestCut{first_block_pos, n, p_first, p_last - p_first + 1, count};
+}
+
+// The cap on items per request for this line: 1 (whole requests) when the
+// busiest partition of the whole-request placement (`busiest`, in work
+// units) is within the slack of an equal share, else max_num_splits.
+__device__ __forceinline__ int effective_max_splits(int64_t busiest, int64_t work, int parts, int max_num_splits) {
+  const int64_t share = (work + parts - 1) / parts;
+  return busiest * 100 <= share * (100 + kWholeRequestSlackPct) ? 1 : max_num_splits;
 }
 
 // Item k of a cut request: its blocks [begin, end) and its partition. Distinct

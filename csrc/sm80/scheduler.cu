@@ -5,6 +5,7 @@
 // batches themselves).
 #include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
+#include <cuda/functional>
 
 #include "csrc/sm80/api.h"
 #include "csrc/sm80/schedule_math.cuh"
@@ -14,6 +15,7 @@ namespace sm80 {
 namespace {
 
 constexpr int kThreads = 256;
+constexpr int kMaxWholeParts = 1024;  // partitions the whole-request check can count
 
 __global__ void __launch_bounds__(kThreads) schedule_kernel(PagedDecodeParams p, DecodeWorkspace ws) {
   using Reduce = cub::BlockReduce<int64_t, kThreads>;
@@ -23,6 +25,7 @@ __global__ void __launch_bounds__(kThreads) schedule_kernel(PagedDecodeParams p,
     typename Scan::TempStorage scan;
   } tmp;
   __shared__ int64_t s_total;
+  __shared__ int s_max_splits;
   __shared__ longlong2 s_carry;  // (items, work) before the current chunk
   // The current chunk's requests: first item (chunk-relative; entry kThreads
   // = the chunk's item count) and cut. Items are then written one per
@@ -30,6 +33,7 @@ __global__ void __launch_bounds__(kThreads) schedule_kernel(PagedDecodeParams p,
   // leave one thread writing them all (that took ~35 us for 132 splits).
   __shared__ int s_item_first[kThreads + 1];
   __shared__ RequestCut s_cut[kThreads];
+  __shared__ unsigned long long s_part_load[kMaxWholeParts];  // whole-request load per partition
   const int tid = threadIdx.x;
   const int batch = p.batch;
 
@@ -46,7 +50,36 @@ __global__ void __launch_bounds__(kThreads) schedule_kernel(PagedDecodeParams p,
   const int parts = partitions_for(work, ws.num_parts);
   const auto add = [](const longlong2& x, const longlong2& y) { return make_longlong2(x.x + y.x, x.y + y.y); };
 
-  // 2. Per chunk of requests: place each on the line (scan), find the
+  // 2. Whole requests or cut ones (schedule_math.cuh): each request's load
+  //    goes to the partition of its first block; the busiest decides. More
+  //    partitions than kMaxWholeParts (not on today's GPUs) keep the cut.
+  int max_splits = ws.max_num_splits;
+  if (parts <= kMaxWholeParts) {
+    for (int q = tid; q < parts; q += kThreads) s_part_load[q] = 0;
+    __syncthreads();
+    int64_t line_before = 0;  // work before the current chunk
+    for (int base = 0; base < batch; base += kThreads) {
+      const int b = base + tid;
+      const int n = b < batch ? num_blocks_of(p, ws, b) : 0;
+      longlong2 before, chunk_total;
+      Scan(tmp.scan).ExclusiveScan(make_longlong2(0, b < batch ? n + kSplitOverhead : 0), before,
+                                   make_longlong2(0, 0), add, chunk_total);
+      if (b < batch) {
+        const int q = cut_request(n, line_before + before.y + kSplitOverhead, work, parts, 1).p_first;
+        atomicAdd(&s_part_load[q], static_cast<unsigned long long>(n + kSplitOverhead));
+      }
+      line_before += chunk_total.y;
+      __syncthreads();  // tmp.scan is reused
+    }
+    int64_t busiest = 0;
+    for (int q = tid; q < parts; q += kThreads) busiest = max(busiest, static_cast<int64_t>(s_part_load[q]));
+    busiest = Reduce(tmp.reduce).Reduce(busiest, cuda::maximum<>{});
+    if (tid == 0) s_max_splits = effective_max_splits(busiest, work, parts, ws.max_num_splits);
+    __syncthreads();
+    max_splits = s_max_splits;
+  }
+
+  // 3. Per chunk of requests: place each on the line (scan), find the
   //    partitions its blocks fall in and its item offsets (second scan),
   //    then write the chunk's items, one per thread.
   for (int base = 0; base < batch; base += kThreads) {
@@ -58,7 +91,7 @@ __global__ void __launch_bounds__(kThreads) schedule_kernel(PagedDecodeParams p,
     Scan(tmp.scan).ExclusiveScan(make_longlong2(0, b < batch ? n + kSplitOverhead : 0), before,
                                  make_longlong2(0, 0), add, chunk_total);
     const longlong2 carry = s_carry;
-    RequestCut cut = cut_request(n, carry.y + before.y + kSplitOverhead, work, parts, ws.max_num_splits);
+    RequestCut cut = cut_request(n, carry.y + before.y + kSplitOverhead, work, parts, max_splits);
     if (b >= batch) cut.count = 0;
     const int count = cut.count;
     __syncthreads();  // tmp.scan is reused
@@ -91,7 +124,7 @@ __global__ void __launch_bounds__(kThreads) schedule_kernel(PagedDecodeParams p,
   }
   const int num_items = static_cast<int>(s_carry.x);
 
-  // 3. Partition boundaries: part_begin[q] = first item whose part >= q
+  // 4. Partition boundaries: part_begin[q] = first item whose part >= q
   //    (the items' writes above are visible after the block barrier).
   for (int i = tid; i < num_items; i += kThreads) {
     const int q = ws.items[4 * i + 3];
