@@ -168,11 +168,9 @@ def paged_decode(query, kv_cache, block_table, seq_lens, *, plan: DecodePlan,
     when the query had one.
 
   Edge cases: a request or query token with no visible position gives out 0
-  and lse -inf. Cache slots past ``seq_lens[b]`` and table entries past the
-  live pages are never read (known exception, README "Edge cases": on sm_90
-  with page_size a multiple of 64, NaN or Inf in the slots past
-  ``seq_lens[b]`` of a request's last page turns its out to NaN). A negative
-  ``seq_lens[b]``, one above
+  and lse -inf. Table entries past the live pages are never read; cache
+  slots past ``seq_lens[b]`` never affect the result (may hold anything, NaN
+  included). A negative ``seq_lens[b]``, one above
   ``max_pages_per_seq * page_size``, or a live page id outside
   ``[0, num_pages)`` never causes an out-of-bounds access: that request's
   out and lse are NaN (:func:`mla_jax.check_inputs` says which and why).
