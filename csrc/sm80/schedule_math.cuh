@@ -136,6 +136,14 @@ __device__ __forceinline__ bool within_share(int64_t busiest, int64_t work, int 
   return busiest * 100 <= share * (100 + slack_pct);
 }
 
+// Whether the whole-request placement can be within the slack at all: its
+// busiest partition carries at least the average request (rounded up, as
+// the largest request's load is an integer), so when that alone exceeds
+// the slack the schedulers skip counting the placement (same decision).
+__device__ __forceinline__ bool whole_requests_may_fit(int64_t work, int batch, int parts) {
+  return batch > 0 && within_share((work + batch - 1) / batch, work, parts, kWholeRequestSlackPct);
+}
+
 // The cap on items per request for this line: 1 (whole requests) when the
 // busiest partition of the whole-request placement (`busiest`, in work
 // units) is within the slack of an equal share, else max_num_splits.

@@ -52,9 +52,11 @@ __global__ void __launch_bounds__(kThreads) schedule_kernel(PagedDecodeParams p,
 
   // 2. Whole requests or cut ones (schedule_math.cuh): each request's load
   //    goes to the partition of its first block; the busiest decides. More
-  //    partitions than kMaxWholeParts (not on today's GPUs) keep the cut.
+  //    partitions than kMaxWholeParts (not on today's GPUs) keep the cut;
+  //    where requests are too few to fill the partitions the count is
+  //    skipped (about 1 us of this kernel).
   int max_splits = ws.max_num_splits;
-  if (parts <= kMaxWholeParts) {
+  if (parts <= kMaxWholeParts && whole_requests_may_fit(work, batch, parts)) {
     for (int q = tid; q < parts; q += kThreads) s_part_load[q] = 0;
     __syncthreads();
     int64_t line_before = 0;  // work before the current chunk
