@@ -338,3 +338,31 @@ def test_whole_request_schedule_when_balanced(heads, q_len, per_part):
   _check(*results[0])
   np.testing.assert_array_equal(results[0][0], results[1][0])
   np.testing.assert_array_equal(results[0][1], results[1][1])
+
+
+@pytest.mark.parametrize("heads,k,seq_len", [(128, 3, 3072), (64, 4, 2560)])
+def test_equal_pieces_schedule_when_requests_are_few(monkeypatch, heads, k, seq_len):
+  # k partitions per request and equal lengths: every request is cut into k
+  # equal pieces, one per partition (csrc/sm80/schedule_math.cuh; the
+  # largest piece is within 10 % of the equal share at these lengths), the
+  # same pieces as max_num_splits=k, so the results must agree bit for bit;
+  # the cut schedule would cut at the work line's shares instead. On an
+  # H100/H200 the 22 requests at 128 heads are scheduled inside the seesaw
+  # kernel, the 33 at 64 heads by the scheduler kernel; the former must also
+  # match the scheduler kernel bit for bit.
+  from mla_jax._scratch import cuda_num_parts
+  batch = cuda_num_parts(heads) // k
+  rng = np.random.default_rng(47 + heads + batch)
+  d = random_paged_inputs(rng, [seq_len] * batch, num_heads=heads, page_size=64)
+  results = []
+  for max_num_splits, flag in ((None, "0"), (k, "0"), (None, "1")):
+    monkeypatch.setenv("MLA_JAX_SCHEDULER_KERNEL", flag)
+    jax.clear_caches()
+    plan = mla_jax.DecodePlan(num_heads=heads, page_size=64, sm_scale=SM_SCALE, backend="cuda",
+                              max_num_splits=max_num_splits)
+    results.append(_run(d, plan, jnp.bfloat16))
+  jax.clear_caches()
+  _check(*results[0])
+  for other in results[1:]:
+    np.testing.assert_array_equal(results[0][0], other[0])
+    np.testing.assert_array_equal(results[0][1], other[1])

@@ -60,7 +60,16 @@ __device__ __forceinline__ int schedule_partition_inline(const PagedDecodeParams
 #pragma unroll
   for (int o = 16; o > 0; o /= 2) load = max(load, __shfl_xor_sync(kAll, load, o));
   const int max_splits = effective_max_splits(load, work, parts, ws.max_num_splits);
-  const RequestCut cut = cut_request(n, first_block_pos, work, parts, max_splits);
+  // Else equal pieces, as the scheduler kernel decides: the largest piece.
+  int stride = max_splits == 1 ? 0 : equal_piece_stride(p.batch, parts, ws.max_num_splits);
+  if (stride > 0) {
+    int64_t largest = live ? equal_piece_load(n, stride) : 0;
+#pragma unroll
+    for (int o = 16; o > 0; o /= 2) largest = max(largest, __shfl_xor_sync(kAll, largest, o));
+    if (!within_share(largest, work, parts, kEqualPiecesSlackPct)) stride = 0;
+  }
+  const RequestCut cut = stride > 0 ? equal_pieces_cut(b, n, first_block_pos, stride)
+                                    : cut_request(n, first_block_pos, work, parts, max_splits);
   const int count = live ? cut.count : 0;
   int first = count;  // inclusive, then exclusive scan of the item counts
 #pragma unroll

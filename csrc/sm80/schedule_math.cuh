@@ -11,7 +11,11 @@
 // every partition carries the same load and each cut splits at most one
 // request: at most batch + num_parts - 1 items, which sizes the scratch.
 // max_num_splits > 0 merges a request's pieces into at most that many equal
-// splits (still in partition order). Items are numbered request by request.
+// splits (still in partition order). Two alternatives to the cut, each
+// taken when its busiest partition stays close to the equal share: whole
+// requests (every request one item) and equal pieces (request b cut into k
+// equal pieces in partitions [b k, b k + k), k = parts / batch), see below.
+// Items are numbered request by request.
 #pragma once
 
 #include <cstdint>
@@ -67,6 +71,18 @@ __device__ __forceinline__ int part_of(int64_t pos, int64_t total, int parts) {
 // above 5 % (32 x 4k at 128 heads: 127.9 / 94.7 us if forced).
 constexpr int kWholeRequestSlackPct = 5;
 
+// Equal pieces: with at least two partitions per request, cutting every
+// request into k = parts / batch equal pieces, one per partition, gives
+// each CTA one item where the cut schedule gives it about two (a piece of
+// each of two requests); an item costs about six 64-token blocks beyond its
+// blocks (benchmarks/NOTES.md, v8; device traces, equal pieces / cut, us:
+// 32 x 4k at 128 heads 88.2 / 97.4, 16 x 32k at 128 heads 255.4 / 268.3,
+// 64 x 8k at 16 heads 168.7 / 180.8, 8 x 42k at 12 heads 118.4 / 129.8;
+// 8 x 42k at 96 heads 186.9 / 186.0). Taken when the largest piece (plus
+// kSplitOverhead) is within kEqualPiecesSlackPct % of the equal share, so
+// requests of very different lengths keep the cut.
+constexpr int kEqualPiecesSlackPct = 10;
+
 // Where a request sits on the work line and how its items cut it.
 struct RequestCut {
   int64_t first_block_pos;  // line position of the request's first KV block
@@ -74,6 +90,7 @@ struct RequestCut {
   int p_first;              // partition of the first block
   int natural;              // partitions the blocks span
   int count;                // items (natural, or capped by max_num_splits)
+  bool equal;               // equal pieces in partitions p_first, p_first + 1, ...
 };
 
 // The cut of a request with n blocks whose first block sits at
@@ -89,15 +106,49 @@ __device__ __forceinline__ RequestCut cut_request(int n, int64_t first_block_pos
   }
   int count = p_last - p_first + 1;
   if (max_num_splits > 0 && count > max_num_splits) count = max_num_splits;
-  return RequestCut{first_block_pos, n, p_first, p_last - p_first + 1, count};
+  return RequestCut{first_block_pos, n, p_first, p_last - p_first + 1, count, false};
+}
+
+// Equal pieces: partitions per request (k = parts / batch, at most
+// max_num_splits when that is set), or 0 when there are fewer than two.
+__device__ __forceinline__ int equal_piece_stride(int batch, int parts, int max_num_splits) {
+  int k = batch > 0 ? parts / batch : 0;
+  if (max_num_splits > 0 && k > max_num_splits) k = max_num_splits;
+  return k >= 2 ? k : 0;
+}
+
+// Request b (n blocks) cut into min(stride, n) equal pieces (one if empty)
+// in partitions [b stride, b stride + pieces).
+__device__ __forceinline__ RequestCut equal_pieces_cut(int b, int n, int64_t first_block_pos, int stride) {
+  const int count = n < stride ? (n > 0 ? n : 1) : stride;
+  return RequestCut{first_block_pos, n, b * stride, count, count, true};
+}
+
+// Work units of a request's largest equal piece (its blocks rounded up,
+// plus the fixed cost).
+__device__ __forceinline__ int64_t equal_piece_load(int n, int stride) {
+  const int count = n < stride ? (n > 0 ? n : 1) : stride;
+  return (n + count - 1) / count + kSplitOverhead;
+}
+
+__device__ __forceinline__ bool within_share(int64_t busiest, int64_t work, int parts, int slack_pct) {
+  const int64_t share = (work + parts - 1) / parts;
+  return busiest * 100 <= share * (100 + slack_pct);
+}
+
+// Whether the whole-request placement can be within the slack at all: its
+// busiest partition carries at least the average request (rounded up, as
+// the largest request's load is an integer), so when that alone exceeds
+// the slack the schedulers skip counting the placement (same decision).
+__device__ __forceinline__ bool whole_requests_may_fit(int64_t work, int batch, int parts) {
+  return batch > 0 && within_share((work + batch - 1) / batch, work, parts, kWholeRequestSlackPct);
 }
 
 // The cap on items per request for this line: 1 (whole requests) when the
 // busiest partition of the whole-request placement (`busiest`, in work
 // units) is within the slack of an equal share, else max_num_splits.
 __device__ __forceinline__ int effective_max_splits(int64_t busiest, int64_t work, int parts, int max_num_splits) {
-  const int64_t share = (work + parts - 1) / parts;
-  return busiest * 100 <= share * (100 + kWholeRequestSlackPct) ? 1 : max_num_splits;
+  return within_share(busiest, work, parts, kWholeRequestSlackPct) ? 1 : max_num_splits;
 }
 
 // Item k of a cut request: its blocks [begin, end) and its partition. Distinct
@@ -110,11 +161,11 @@ struct ItemRange {
 
 __device__ __forceinline__ ItemRange item_range(const RequestCut& c, int k, int64_t work, int parts) {
   ItemRange r;
-  if (c.count == c.natural) {  // cut at the partition bounds
+  if (c.count == c.natural && !c.equal) {  // cut at the partition bounds
     r.part = c.p_first + k;
     r.begin = k == 0 ? 0 : static_cast<int>(bound(r.part, work, parts) - c.first_block_pos);
     r.end = k == c.count - 1 ? c.n : static_cast<int>(bound(r.part + 1, work, parts) - c.first_block_pos);
-  } else {  // capped: equal pieces, each placed in the partition of its start
+  } else {  // capped or equal: equal pieces, each in the partition of its start or its own
     r.begin = static_cast<int>(int64_t{k} * c.n / c.count);
     r.end = static_cast<int>(int64_t{k + 1} * c.n / c.count);
     r.part = c.p_first + static_cast<int>(int64_t{k} * c.natural / c.count);

@@ -52,9 +52,11 @@ __global__ void __launch_bounds__(kThreads) schedule_kernel(PagedDecodeParams p,
 
   // 2. Whole requests or cut ones (schedule_math.cuh): each request's load
   //    goes to the partition of its first block; the busiest decides. More
-  //    partitions than kMaxWholeParts (not on today's GPUs) keep the cut.
+  //    partitions than kMaxWholeParts (not on today's GPUs) keep the cut;
+  //    where requests are too few to fill the partitions the count is
+  //    skipped (about 1 us of this kernel).
   int max_splits = ws.max_num_splits;
-  if (parts <= kMaxWholeParts) {
+  if (parts <= kMaxWholeParts && whole_requests_may_fit(work, batch, parts)) {
     for (int q = tid; q < parts; q += kThreads) s_part_load[q] = 0;
     __syncthreads();
     int64_t line_before = 0;  // work before the current chunk
@@ -78,10 +80,22 @@ __global__ void __launch_bounds__(kThreads) schedule_kernel(PagedDecodeParams p,
     __syncthreads();
     max_splits = s_max_splits;
   }
+  // Else equal pieces, where each request has two or more partitions and
+  // its largest piece is close to the share.
+  int stride = max_splits == 1 ? 0 : equal_piece_stride(batch, parts, ws.max_num_splits);
+  if (stride > 0) {
+    int64_t largest = 0;
+    for (int b = tid; b < batch; b += kThreads) largest = max(largest, equal_piece_load(num_blocks_of(p, ws, b), stride));
+    __syncthreads();  // tmp.reduce may still be read by the reduction above
+    largest = Reduce(tmp.reduce).Reduce(largest, cuda::maximum<>{});
+    if (tid == 0) s_max_splits = within_share(largest, work, parts, kEqualPiecesSlackPct) ? stride : 0;
+    __syncthreads();
+    stride = s_max_splits;
+  }
 
   // 3. Per chunk of requests: place each on the line (scan), find the
-  //    partitions its blocks fall in and its item offsets (second scan),
-  //    then write the chunk's items, one per thread.
+  //    partitions its blocks fall in (or its equal pieces') and its item
+  //    offsets (second scan), then write the chunk's items, one per thread.
   for (int base = 0; base < batch; base += kThreads) {
     const int b = base + tid;
     int n = 0;
@@ -91,7 +105,9 @@ __global__ void __launch_bounds__(kThreads) schedule_kernel(PagedDecodeParams p,
     Scan(tmp.scan).ExclusiveScan(make_longlong2(0, b < batch ? n + kSplitOverhead : 0), before,
                                  make_longlong2(0, 0), add, chunk_total);
     const longlong2 carry = s_carry;
-    RequestCut cut = cut_request(n, carry.y + before.y + kSplitOverhead, work, parts, max_splits);
+    const int64_t first_block_pos = carry.y + before.y + kSplitOverhead;
+    RequestCut cut = stride > 0 ? equal_pieces_cut(b, n, first_block_pos, stride)
+                                : cut_request(n, first_block_pos, work, parts, max_splits);
     if (b >= batch) cut.count = 0;
     const int count = cut.count;
     __syncthreads();  // tmp.scan is reused
