@@ -230,11 +230,9 @@ def test_bad_page_in_split_request_many_rows():
 
 
 def test_bad_page_in_split_request_few_splits():
-  # 48 requests x 16 heads: fewer than 2048 (request, row) pairs, but
-  # num_parts / batch below 4 (132 partitions on an H100/H200; a GPU with
-  # 192 or more SMs would take the sliced combine, which must be right too),
-  # so the warp-per-row combine runs here too (the sliced one serves few
-  # pairs with many splits per request).
+  # 48 requests x 16 heads: 768 (request, row) pairs and num_parts / batch
+  # below 32 (132 partitions on an H100/H200), so the combine takes a warp
+  # per 128-column slice of a row (test_combine_grids forces every grid).
   rng = np.random.default_rng(29)
   lens = [8000, 5, 8000, 0] + list(rng.integers(1, 9000, size=44))
   d = random_paged_inputs(rng, lens, num_heads=16, page_size=64)
@@ -243,6 +241,33 @@ def test_bad_page_in_split_request_few_splits():
   out, lse, ref_out, ref_lse = _run(d, plan, jnp.bfloat16)
   assert np.isnan(ref_lse[2]).all() and np.isfinite(ref_lse[[0, 1]]).all()
   _check(out, lse, ref_out, ref_lse)
+
+
+@pytest.mark.parametrize("heads,q_len", [(12, 2), (128, 1)])
+def test_combine_grids(monkeypatch, heads, q_len):
+  # The combine has three grids (csrc/sm80/combine.cu), chosen by the number
+  # of (request, row) pairs and of splits per request; MLA_JAX_COMBINE_GRID
+  # forces each on the same split schedule: a bad page in a split request
+  # (NaN), an empty request (-inf LSE), a zero-length neighbour, long and
+  # short requests. The two warp grids add the splits in the same order, so
+  # they agree bit for bit.
+  rng = np.random.default_rng(37 + heads)
+  lens = [9000, 5, 0, 12000, 700, 3000, 20000, 64]
+  d = random_paged_inputs(rng, lens, num_heads=heads, page_size=64, q_len=q_len)
+  d["block_table"][3, 100] = d["kv_cache"].shape[0] + 4   # out of range, live, in a split request
+  plan = mla_jax.DecodePlan(num_heads=heads, page_size=64, sm_scale=SM_SCALE, q_len=q_len,
+                            causal=q_len > 1, backend="cuda")
+  results = {}
+  for grid in ("block", "rows", "slices"):
+    monkeypatch.setenv("MLA_JAX_COMBINE_GRID", grid)
+    jax.clear_caches()
+    results[grid] = _run(d, plan, jnp.bfloat16)
+    _check(*results[grid])
+  monkeypatch.delenv("MLA_JAX_COMBINE_GRID")
+  jax.clear_caches()
+  assert np.isnan(results["rows"][3][3]).all() and np.isneginf(results["rows"][3][2]).all()
+  np.testing.assert_array_equal(results["rows"][0], results["slices"][0])
+  np.testing.assert_array_equal(results["rows"][1], results["slices"][1])
 
 
 def test_64_row_blocks_bad_inputs(kernel_choice):

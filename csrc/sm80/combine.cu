@@ -6,6 +6,8 @@
 #include <cuda_fp16.h>
 
 #include <cub/block/block_reduce.cuh>
+#include <cstdlib>
+#include <cstring>
 
 #include "csrc/sm80/api.h"
 
@@ -13,27 +15,32 @@ namespace mla_jax {
 namespace sm80 {
 namespace {
 
-// Two grids. Few (request, row) pairs with many splits each (one long request
-// at 12 heads: 12 rows, 132 splits): combine_kernel, a CTA per row and
-// 128-column slice whose eight warps split the splits, so the reads spread
-// over many SMs. Otherwise combine_rows_kernel, a warp per row over all of
-// its columns, eight rows per CTA: no block barriers, the split weights pass
-// between lanes by shuffles, and each lane keeps four independent 16-byte
-// loads per split in flight.
+// Three grids, by the (request, row) pairs and the host's estimate of splits
+// per request (num_parts / batch; the device makes the actual cut):
+// * combine_kernel: few pairs with many splits each (one long request at 12
+//   heads: 12 rows, 132 splits). A CTA per row and 128-column slice whose
+//   eight warps split the splits, so the reads spread over many SMs.
+// * combine_rows_kernel, a warp per 128-column slice of a row: few pairs
+//   with fewer splits (8 requests at 96 heads, about 8 splits each).
+// * combine_rows_kernel, a warp per row over all of its columns: many pairs.
+// The rows kernels have no block barriers; the split weights pass between
+// lanes by shuffles and each lane keeps eight 16-byte loads in flight.
+// Measured (device traces, H200, combine us, block / warp per row / warp
+// per slice): 1 x 76.8k tokens at 12 heads 5.4 / 30.9 / 16.2; 1 x 4k at 128
+// heads 4.6 / 7.4 / 4.9; 8 x 42k at 12 heads 4.1 / 6.0 / 3.8, at 12 heads and
+// q_len 4 9.0 / 6.6 / 4.9, at 96 heads 14.1 / 4.7 / 4.5; 16 x 32k at 16
+// heads 6.6 / 4.2 / 3.2, at 128 heads 31.9 / 4.9 / 6.6; 64 x 8k at 16 heads
+// 16.9 / 3.2 / 3.7 (benchmarks/NOTES.md, v9).
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int kWarpColumns = 128;  // one float4 per lane
-constexpr int kRowWarps = 8;       // rows per CTA of combine_rows_kernel
+constexpr int kRowWarps = 8;       // warps per CTA of combine_rows_kernel
 constexpr int kRowFloat4s = 4;     // float4s per lane of a 512-column row
-// The sliced grid is used below this many (request, row) pairs (from it on,
-// a warp per pair already puts about 16 warps on each SM of an H100/H200),
-// and only when num_parts / batch >= kSliceMinSplits (the host's estimate of
-// splits per request; the device makes the actual cut): its block barriers
-// and four CTAs per pair pay off only over many splits. Measured (device trace, H200): 64 requests of 8k tokens at 16
-// heads (about 3 splits each, 1024 pairs) took 17.1 us in the sliced grid;
-// one request of 76.8k tokens at 12 heads (132 splits, 12 pairs) 5.5 us.
-constexpr int64_t kSliceBelowRows = 2048;
-constexpr int kSliceMinSplits = 4;
+constexpr int64_t kBlockBelowPairs = 2048;  // combine_kernel: fewer pairs than this ...
+constexpr int kBlockMinSplits = 32;         // ... and at least this many splits per request
+constexpr int64_t kSliceBelowPairs = 1024;  // a warp per slice below this many pairs
+
+enum class CombineGrid { kBlock, kSlices, kRows };
 constexpr int kWeightChunk = 256;  // splits whose weights are staged in shared memory at once
 
 template <typename OutT>
@@ -163,12 +170,17 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
-// grid: (batch, ceil(rows / kRowWarps)); warp w of CTA (b, y) merges row
+// grid: (batch, ceil(rows / kRowWarps), 4 / kFloat4s); warp w of CTA
+// (b, y, z) merges columns [128 kFloat4s z, 128 kFloat4s (z + 1)) of row
 // y * kRowWarps + w of request b. dv must be 32 * 4 * kRowFloat4s (512).
-template <typename OutT>
+// kFloat4s = 4: a warp per row; 1: a warp per 128-column slice of a row,
+// four times the warps for the same bytes, for grids too small to keep
+// every SM's loads in flight otherwise.
+template <typename OutT, int kFloat4s>
 __global__ void __launch_bounds__(kRowWarps * 32) combine_rows_kernel(PagedDecodeParams p, DecodeWorkspace ws) {
   constexpr unsigned kAll = 0xffffffffu;
   constexpr int kDv = 32 * 4 * kRowFloat4s;
+  constexpr int kUnroll = 8 / kFloat4s;  // splits loaded at once: 8 float4 loads of a lane in flight
   const int b = blockIdx.x;
   const int splits = ws.request_meta[2 * b + 1];
   if (splits <= 1) return;
@@ -196,24 +208,36 @@ __global__ void __launch_bounds__(kRowWarps * 32) combine_rows_kernel(PagedDecod
   sum = warp_sum(sum);
   const float lse = nan ? NAN : (row_max == -INFINITY ? -INFINITY : row_max + logf(sum));
 
-  float4 acc[kRowFloat4s];
+  const int col0 = blockIdx.z * 128 * kFloat4s + lane * 4;
+  float4 acc[kFloat4s];
 #pragma unroll
-  for (int k = 0; k < kRowFloat4s; ++k) acc[k] = make_float4(0.f, 0.f, 0.f, 0.f);
+  for (int k = 0; k < kFloat4s; ++k) acc[k] = make_float4(0.f, 0.f, 0.f, 0.f);
   if (!nan && lse != -INFINITY) {
     const int64_t split_stride = static_cast<int64_t>(rows) * kDv;
-    const float* src = ws.out_accum + (static_cast<int64_t>(first) * rows + row) * kDv + lane * 4;
+    const float* src = ws.out_accum + (static_cast<int64_t>(first) * rows + row) * kDv + col0;
     for (int c0 = 0; c0 < splits; c0 += 32) {
       const int n = min(32, splits - c0);
       const float w_lane = lane < n ? __expf(lse_split[static_cast<int64_t>(c0 + lane) * rows] - lse) : 0.f;
-#pragma unroll 2
-      for (int j = 0; j < n; ++j) {
-        const float w = __shfl_sync(kAll, w_lane, j);
-        const float* s = src + (c0 + j) * split_stride;
-        float4 v[kRowFloat4s];
+      // kUnroll splits' loads are issued before any of them is added (the
+      // guards are warp-uniform, so the shuffles stay convergent).
+      for (int j0 = 0; j0 < n; j0 += kUnroll) {
+        float4 v[kUnroll][kFloat4s];
 #pragma unroll
-        for (int k = 0; k < kRowFloat4s; ++k) v[k] = *reinterpret_cast<const float4*>(s + k * 128);
+        for (int u = 0; u < kUnroll; ++u) {
+          if (j0 + u < n) {
+            const float* s = src + (c0 + j0 + u) * split_stride;
 #pragma unroll
-        for (int k = 0; k < kRowFloat4s; ++k) add_weighted(acc[k], w, v[k]);
+            for (int k = 0; k < kFloat4s; ++k) v[u][k] = *reinterpret_cast<const float4*>(s + k * 128);
+          }
+        }
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          if (j0 + u < n) {
+            const float w = __shfl_sync(kAll, w_lane, j0 + u);
+#pragma unroll
+            for (int k = 0; k < kFloat4s; ++k) add_weighted(acc[k], w, v[u][k]);
+          }
+        }
       }
     }
   }
@@ -222,11 +246,11 @@ __global__ void __launch_bounds__(kRowWarps * 32) combine_rows_kernel(PagedDecod
   if (p.attn_sink != nullptr && lse != -INFINITY) scale = 1.f / (1.f + __expf(p.attn_sink[row % p.num_heads] - lse));
   if (nan) scale = NAN;
   const int64_t out_row = static_cast<int64_t>(b) * rows + row;
-  OutT* dst = static_cast<OutT*>(p.out) + out_row * kDv + lane * 4;
+  OutT* dst = static_cast<OutT*>(p.out) + out_row * kDv + col0;
 #pragma unroll
-  for (int k = 0; k < kRowFloat4s; ++k)
+  for (int k = 0; k < kFloat4s; ++k)
     store4(dst + k * 128, make_float4(acc[k].x * scale, acc[k].y * scale, acc[k].z * scale, acc[k].w * scale));
-  if (lane == 0) p.lse[out_row] = lse;
+  if (lane == 0 && blockIdx.z == 0) p.lse[out_row] = lse;
 }
 
 }  // namespace
@@ -235,24 +259,51 @@ cudaError_t run_combine(const PagedDecodeParams& params, const DecodeWorkspace& 
                         cudaStream_t stream) {
   const int rows = params.rows_per_request();
   if (params.batch == 0 || rows == 0) return cudaSuccess;
-  // dv is 512 here (checked by the caller): four kWarpColumns slices for
-  // combine_kernel, and the row width combine_rows_kernel assumes.
+  // dv is 512 here (checked by the caller): four kWarpColumns slices, the
+  // row width combine_rows_kernel assumes.
   const bool bf16 = params.q_type == ElemType::kBF16;
-  const bool few_pairs = int64_t{params.batch} * rows < kSliceBelowRows;
-  const bool many_splits = int64_t{params.batch} * kSliceMinSplits <= ws.num_parts;
-  if (few_pairs && many_splits) {
-    dim3 grid(params.batch, rows, params.kv_lora_rank / kWarpColumns);
-    if (bf16) {
-      combine_kernel<__nv_bfloat16><<<grid, kThreads, 0, stream>>>(params, ws);
-    } else {
-      combine_kernel<__half><<<grid, kThreads, 0, stream>>>(params, ws);
+  const int64_t pairs = int64_t{params.batch} * rows;
+  CombineGrid grid_kind = CombineGrid::kRows;
+  if (pairs < kBlockBelowPairs && int64_t{params.batch} * kBlockMinSplits <= ws.num_parts) {
+    grid_kind = CombineGrid::kBlock;
+  } else if (pairs < kSliceBelowPairs) {
+    grid_kind = CombineGrid::kSlices;
+  }
+  // MLA_JAX_COMBINE_GRID=block|rows|slices overrides the choice (tests and
+  // A/B runs; every grid gives the right answer for every shape).
+  if (const char* forced = std::getenv("MLA_JAX_COMBINE_GRID")) {
+    if (std::strcmp(forced, "block") == 0) grid_kind = CombineGrid::kBlock;
+    if (std::strcmp(forced, "rows") == 0) grid_kind = CombineGrid::kRows;
+    if (std::strcmp(forced, "slices") == 0) grid_kind = CombineGrid::kSlices;
+  }
+  const int row_ctas = (rows + kRowWarps - 1) / kRowWarps;
+  switch (grid_kind) {
+    case CombineGrid::kBlock: {
+      const dim3 grid(params.batch, rows, params.kv_lora_rank / kWarpColumns);
+      if (bf16) {
+        combine_kernel<__nv_bfloat16><<<grid, kThreads, 0, stream>>>(params, ws);
+      } else {
+        combine_kernel<__half><<<grid, kThreads, 0, stream>>>(params, ws);
+      }
+      break;
     }
-  } else {
-    dim3 grid(params.batch, (rows + kRowWarps - 1) / kRowWarps);
-    if (bf16) {
-      combine_rows_kernel<__nv_bfloat16><<<grid, kRowWarps * 32, 0, stream>>>(params, ws);
-    } else {
-      combine_rows_kernel<__half><<<grid, kRowWarps * 32, 0, stream>>>(params, ws);
+    case CombineGrid::kSlices: {
+      const dim3 grid(params.batch, row_ctas, kRowFloat4s);
+      if (bf16) {
+        combine_rows_kernel<__nv_bfloat16, 1><<<grid, kRowWarps * 32, 0, stream>>>(params, ws);
+      } else {
+        combine_rows_kernel<__half, 1><<<grid, kRowWarps * 32, 0, stream>>>(params, ws);
+      }
+      break;
+    }
+    case CombineGrid::kRows: {
+      const dim3 grid(params.batch, row_ctas, 1);
+      if (bf16) {
+        combine_rows_kernel<__nv_bfloat16, kRowFloat4s><<<grid, kRowWarps * 32, 0, stream>>>(params, ws);
+      } else {
+        combine_rows_kernel<__half, kRowFloat4s><<<grid, kRowWarps * 32, 0, stream>>>(params, ws);
+      }
+      break;
     }
   }
   return cudaGetLastError();
