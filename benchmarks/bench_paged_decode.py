@@ -14,7 +14,7 @@ checks each result on a few requests against the float64 NumPy reference
 the share of the copy/matmul ceilings measured in the same run, the ratio to
 XLA, and the ratio to FlashMLA's published H200 figure (anchors file).
 
-Timing method (no profiler; JAX has no public CUDA-event API): one jitted
+Timing method (JAX has no public CUDA-event API): one jitted
 program runs the op n times back to back. Call i reads its own query copy
 (so XLA cannot merge two calls by CSE) and cache copy i % R, with R copies
 when one cache is small so that the rotation set exceeds 2x L2 (the data of
@@ -25,7 +25,9 @@ n_lo and n_hi calls, take the same arguments; each repetition times both with
 ``block_until_ready`` and the wall clock, and the per-call time is the slope
 (t_hi - t_lo) / (n_hi - n_lo), which cancels the fixed dispatch/launch/sync
 cost. The reported µs is the median slope over the repetitions; ``us_wall``
-(t_hi / n_hi, median) is kept too. The op is called with return_lse=True
+(t_hi / n_hi, median) is kept too. On a GPU the same two programs then run
+three more times under ``jax.profiler`` and ``us_device`` is the same slope
+from the kernels' own start and end timestamps (no host clock in it). The op is called with return_lse=True
 (the kernels write the LSE either way) so the check can use it.
 
 Run ``python benchmarks/bench_paged_decode.py --help`` for the options; see
@@ -216,6 +218,60 @@ def time_slope(lo, hi, args, n_lo, n_hi, reps):
   return (slope if slope > 0 else wall), wall, slopes, keep
 
 
+def device_slope(lo, hi, args, n_lo, n_hi, reps=3, gap_s=0.05):
+  """Per-call device seconds from a profiler trace: median over reps of
+  (span_hi - span_lo) / (n_hi - n_lo), where a span runs from the first GPU
+  kernel's start to the last one's end in one execution of the program.
+
+  The kernels' own timestamps (CUPTI) leave out host dispatch and the wall
+  clock's jitter; the slope again cancels anything that runs once per
+  program. The executions are separated by gap_s of idle device time, which
+  splits the trace's events into programs. Returns None where the trace has
+  no GPU kernels (CPU runs) or cannot be split as expected.
+  """
+  import glob
+  import tempfile
+
+  import jax
+  try:
+    from jax.profiler import ProfileData
+  except ImportError:
+    return None
+  with tempfile.TemporaryDirectory() as d:
+    with jax.profiler.trace(d):
+      for _ in range(reps):
+        for prog in (lo, hi):
+          out = prog(*args)
+          jax.block_until_ready(out)
+          del out
+          time.sleep(gap_s)
+    files = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
+    if not files:
+      return None
+    data = ProfileData.from_file(files[0])
+  events = []
+  for plane in data.planes:
+    if not plane.name.startswith("/device:GPU:0"):
+      continue
+    for line in plane.lines:
+      if "Stream" in line.name:  # kernel and copy activities, one line per stream
+        events.extend((e.start_ns, e.start_ns + e.duration_ns) for e in line.events)
+  if not events:
+    return None
+  events.sort()
+  spans, first, last = [], events[0][0], events[0][1]
+  for start, end in events[1:]:
+    if start - last > gap_s * 0.5e9:  # idle for half the gap: the next program
+      spans.append(last - first)
+      first = start
+    last = max(last, end)
+  spans.append(last - first)
+  if len(spans) != 2 * reps:
+    return None
+  slopes = [(spans[2 * r + 1] - spans[2 * r]) / (n_hi - n_lo) * 1e-9 for r in range(reps)]
+  return dict(s=statistics.median(slopes), slopes=slopes, span_hi_s=statistics.median(spans[1::2]) * 1e-9)
+
+
 def chain_program(step, n, n_caches=1, feed=False):
   """jit of n chained calls: prog(xs, caches, shared), call i = step(x_i, caches[i % n_caches], shared).
 
@@ -339,7 +395,7 @@ def check_subset(out_lse, q0, cache0, bt, seq, plan, idx):
   return dict(relerr=rel, lse_maxabs=dl, status="ok" if ok else "FAIL", checked=idx)
 
 
-def run_backend(plan, data, n_lo, n_hi, reps, counts, ceil, target=None):
+def run_backend(plan, data, n_lo, n_hi, reps, counts, ceil, target=None, device_time=False):
   """Times one backend on one row; returns a JSON-able dict."""
   import mla_jax
   qs, caches, bt_d, sl_d, bt, seq, idx = data
@@ -362,6 +418,14 @@ def run_backend(plan, data, n_lo, n_hi, reps, counts, ceil, target=None):
     except Exception:  # noqa: BLE001 - text is diagnostics only
       pass
   s, w, slopes, keep = time_slope(lo, hi, args, n_lo, n_hi, reps)
+  if device_time:
+    try:
+      dev = device_slope(lo, hi, args, n_lo, n_hi)
+    except Exception as e:  # noqa: BLE001 - diagnostics only; the wall-clock figure stands
+      dev, res["device_time_error"] = None, f"{type(e).__name__}: {str(e)[:200]}"
+    if dev:
+      res.update(us_device=dev["s"] * 1e6, samples_us_device=[round(x * 1e6, 3) for x in dev["slopes"]],
+                 us_device_span_per_call=dev["span_hi_s"] / n_hi * 1e6)
   us = s * 1e6
   if not statistics.median(slopes) > 0:  # noise beat the slope: time_slope fell back to wall
     res["warning"] = (res.get("warning", "") + " non-positive slope; us = wall/call").strip()
@@ -456,7 +520,8 @@ def bench_row(i, row, args, ceil, anchors, primary, target, t_start):
 
   # Primary backend (what users get).
   try:
-    rec["mla"] = run_backend(mk(args.backend), data, n_lo, n_hi, reps, counts, ceil, target)
+    rec["mla"] = run_backend(mk(args.backend), data, n_lo, n_hi, reps, counts, ceil, target,
+                             device_time=args.device_time)
   except Exception as e:  # noqa: BLE001 - keep going, report the failure
     rec["mla"] = dict(backend=args.backend, error=f"{type(e).__name__}: {str(e)[:400]}",
                       status="ERROR")
@@ -481,6 +546,8 @@ def bench_row(i, row, args, ceil, anchors, primary, target, t_start):
                            relerr=fm["relerr"])
     if "us" in m:
       rec["mla_over_flashmla"] = m["us"] / fm_scaled
+    if "us_device" in m:
+      rec["mla_device_over_flashmla"] = m["us_device"] / fm_scaled
   xa = anchors["xla_einsum"].get(key)
   if xa and not args.smoke:
     rec["xla_einsum_anchor_us"] = xa
@@ -514,7 +581,8 @@ def table(meta, rows):
   lines.append("us: median per-call slope of chained jitted calls (rotating caches, L2-cold); "
                "%BW/%MM of those ceilings; roof = floor/us")
   hdr = (f"{'#':>2} {'row':<17}{'us':>9}{'TF/s':>7}{'GB/s':>7}{'%BW':>5}{'%MM':>5}{'roof':>5}"
-         f"{'floor':>8}{'xla_us':>9}{'xla/us':>7}{'FMLA':>8}{'us/FM':>7}{'relerr':>8}  st")
+         f"{'floor':>8}{'xla_us':>9}{'xla/us':>7}{'FMLA':>8}{'us/FM':>7}{'dev_us':>8}{'dv/FM':>7}"
+         f"{'relerr':>8}  st")
   lines.append(hdr)
   for r in rows:
     m = r.get("mla", {})
@@ -535,9 +603,17 @@ def table(meta, rows):
         f"{_f(m.get('gbs'), '.0f', 7)}{_f(m.get('pct_bw'), '.0f', 5)}{_f(m.get('pct_mm'), '.0f', 5)}"
         f"{_f(m.get('pct_roofline'), '.0f', 5)}{_f(r.get('floor_us'), '.1f', 8)}{xla_cell}"
         f"{_ratio(r.get('xla_over_mla'), 7)}{_f(fm.get('us_scaled_to_our_sum_seq'), '.1f', 8)}"
-        f"{_ratio(r.get('mla_over_flashmla'), 7)}{_f(m.get('relerr'), '.1e', 8)}  {st}")
+        f"{_ratio(r.get('mla_over_flashmla'), 7)}{_f(m.get('us_device'), '.1f', 8)}"
+        f"{_ratio(r.get('mla_device_over_flashmla'), 7)}{_f(m.get('relerr'), '.1e', 8)}  {st}")
   lines.append("xla/us: XLA-backend time / mla_jax time (same run). FMLA: FlashMLA anchor us "
                "(do_bench, L2 flushed); us/FM: mla_jax / FlashMLA (>1 = slower)")
+  for key, label in (("mla_over_flashmla", "us/FM"), ("mla_device_over_flashmla", "dv/FM")):
+    vals = [r[key] for r in rows if r.get(key)]
+    if vals:
+      gm = math.exp(sum(math.log(v) for v in vals) / len(vals))
+      lines.append(f"geometric mean of {label} over {len(vals)} rows: {gm:.3f}")
+  lines.append("dev_us: the same slope from the kernels' timestamps in a profiler trace (3 reps; "
+               "no host clock); dv/FM: dev_us / FlashMLA")
   lines.append("* varlen: FMLA us scaled by our sum_seq / anchor sum_seq (lengths drawn "
                "differently). FlashInfer MLA: " + FLASHINFER_NOTE + ".")
   for r in rows:
@@ -614,6 +690,8 @@ def main(argv=None):
                  help="L2 size for the cache rotation set (>= 2x L2; default 60, smoke 0.5)")
   p.add_argument("--check-requests", type=int, default=3,
                  help="requests per row checked against the float64 reference (default 3)")
+  p.add_argument("--no-device-time", action="store_true",
+                 help="skip the profiler-trace device time of the timed op (GPU only)")
   p.add_argument("--print-floors", action="store_true",
                  help="print the nominal-floor table (NOTES.md) and exit")
   args = p.parse_args(argv)
@@ -633,6 +711,7 @@ def main(argv=None):
 
   platform = jax.default_backend()
   dev = jax.devices()[0]
+  args.device_time = platform == "gpu" and not args.no_device_time
   if args.backend == "auto":
     if platform == "gpu":
       resolved = "cuda" if _ffi.has_cuda_kernels() else "xla"
