@@ -225,9 +225,11 @@ def device_slope(lo, hi, args, n_lo, n_hi, reps=3, gap_s=0.05):
 
   The kernels' own timestamps (CUPTI) leave out host dispatch and the wall
   clock's jitter; the slope again cancels anything that runs once per
-  program. The executions are separated by gap_s of idle device time, which
-  splits the trace's events into programs. Returns None where the trace has
-  no GPU kernels (CPU runs) or cannot be split as expected.
+  program (device idle time inside a program, e.g. waiting for a launch,
+  still counts). The executions are separated by gap_s of idle device time,
+  which splits the trace's events into programs. Returns None where the
+  trace has no GPU events (CPU runs), a dict with "error" where it cannot be
+  split as expected.
   """
   import glob
   import tempfile
@@ -267,7 +269,7 @@ def device_slope(lo, hi, args, n_lo, n_hi, reps=3, gap_s=0.05):
     last = max(last, end)
   spans.append(last - first)
   if len(spans) != 2 * reps:
-    return None
+    return dict(error=f"trace split into {len(spans)} programs, expected {2 * reps}")
   slopes = [(spans[2 * r + 1] - spans[2 * r]) / (n_hi - n_lo) * 1e-9 for r in range(reps)]
   return dict(s=statistics.median(slopes), slopes=slopes, span_hi_s=statistics.median(spans[1::2]) * 1e-9)
 
@@ -423,7 +425,11 @@ def run_backend(plan, data, n_lo, n_hi, reps, counts, ceil, target=None, device_
       dev = device_slope(lo, hi, args, n_lo, n_hi)
     except Exception as e:  # noqa: BLE001 - diagnostics only; the wall-clock figure stands
       dev, res["device_time_error"] = None, f"{type(e).__name__}: {str(e)[:200]}"
-    if dev:
+    if dev and "error" in dev:
+      res["device_time_error"] = dev["error"]
+    elif dev and not dev["s"] > 0:
+      res["device_time_error"] = f"non-positive device slope {dev['s'] * 1e6:.3f} us"
+    elif dev:
       res.update(us_device=dev["s"] * 1e6, samples_us_device=[round(x * 1e6, 3) for x in dev["slopes"]],
                  us_device_span_per_call=dev["span_hi_s"] / n_hi * 1e6)
   us = s * 1e6
@@ -608,12 +614,15 @@ def table(meta, rows):
   lines.append("xla/us: XLA-backend time / mla_jax time (same run). FMLA: FlashMLA anchor us "
                "(do_bench, L2 flushed); us/FM: mla_jax / FlashMLA (>1 = slower)")
   for key, label in (("mla_over_flashmla", "us/FM"), ("mla_device_over_flashmla", "dv/FM")):
-    vals = [r[key] for r in rows if r.get(key)]
+    vals = [r[key] for r in rows if (r.get(key) or 0) > 0]
     if vals:
       gm = math.exp(sum(math.log(v) for v in vals) / len(vals))
       lines.append(f"geometric mean of {label} over {len(vals)} rows: {gm:.3f}")
   lines.append("dev_us: the same slope from the kernels' timestamps in a profiler trace (3 reps; "
                "no host clock); dv/FM: dev_us / FlashMLA")
+  for r in rows:
+    if r.get("mla", {}).get("device_time_error"):
+      lines.append(f"no dev_us for {r['name']}: {r['mla']['device_time_error'][:160]}")
   lines.append("* varlen: FMLA us scaled by our sum_seq / anchor sum_seq (lengths drawn "
                "differently). FlashInfer MLA: " + FLASHINFER_NOTE + ".")
   for r in rows:
