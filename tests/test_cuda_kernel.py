@@ -221,20 +221,27 @@ def test_inline_schedule_matches_scheduler_kernel_bitwise(monkeypatch, heads, ma
     (128, 1, "equal130", None),    # whole requests
     (16, 1, "mixed300", None),     # two chunks of 256 requests
     (16, 1, "equal44", None),      # equal pieces (132 partitions, 3 per request)
-    (128, 2, "mixed64", 3),        # capped pieces, 4 row blocks
+    (128, 2, "mixed64", 3),        # capped pieces (two 30k requests), 4 row blocks
     (64, 1, "bad40", None),        # empty, invalid and bad-page requests
+    (16, 1, "short40", None),      # 40 short requests: most of the 132 partitions get no item
 ])
 def test_schedule_in_decode_matches_scheduler_kernel_bitwise(monkeypatch, heads, q_len, lens, max_num_splits):
   # Batches of more than 32 requests are scheduled inside every CTA of the
   # seesaw kernel on sm_90 (csrc/sm80/schedule_block.cuh, the scheduler
   # kernel's own code); MLA_JAX_SCHEDULER_KERNEL=1 runs the scheduler kernel
   # instead. The same items in the same order: the outputs agree bit for bit.
+  for name in ("MLA_JAX_PORTABLE_KERNEL", "MLA_JAX_SM90_LOCKSTEP"):
+    monkeypatch.delenv(name, raising=False)
   rng = np.random.default_rng(41 + heads + q_len)
   kind, batch = lens.rstrip("0123456789"), int(lens.lstrip("abcdefghijklmnopqrstuvwxyz"))
   if kind == "equal":
     seq = np.full(batch, 1000 if batch > 100 else 3000)
+  elif kind == "short":
+    seq = rng.integers(1, 60, size=batch)
   else:
     seq = rng.integers(1, 2000 if batch > 100 else 9000, size=batch)
+  if max_num_splits is not None:
+    seq[[3, 40]] = 30000
   if kind == "bad":
     seq[[0, 5]] = 0
   d = random_paged_inputs(rng, seq.astype(np.int32), num_heads=heads, page_size=64, q_len=q_len)
@@ -411,9 +418,9 @@ def test_equal_pieces_schedule_when_requests_are_few(monkeypatch, heads, k, seq_
   # largest piece is within 10 % of the equal share at these lengths), the
   # same pieces as max_num_splits=k, so the results must agree bit for bit;
   # the cut schedule would cut at the work line's shares instead. On an
-  # H100/H200 the 22 requests at 128 heads are scheduled inside the seesaw
-  # kernel, the 33 at 64 heads by the scheduler kernel; the former must also
-  # match the scheduler kernel bit for bit.
+  # H100/H200 both batches (22 requests at 128 heads, 33 at 64) are
+  # scheduled inside the seesaw kernel (by one warp, by the whole CTA); both
+  # must also match the scheduler kernel bit for bit.
   from mla_jax._scratch import cuda_num_parts
   batch = cuda_num_parts(heads) // k
   rng = np.random.default_rng(47 + heads + batch)

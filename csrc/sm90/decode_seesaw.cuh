@@ -126,10 +126,13 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   int32_t* own_items = ws.items + int64_t{blockIdx.x} * ws.max_items * 4;
   int item_begin, item_end;
   if (ws.schedule_in_decode) {
-    static_assert(sizeof(sm80::BlockScheduleSmem) <= Tr::kStages * Tr::kTileBytes, "schedule fits a KV stage");
+    static_assert(sizeof(sm80::BlockScheduleSmem) <= Tr::kTileBytes, "schedule fits a KV stage");
     static_assert(Tr::kThreads == sm80::kScheduleThreads, "one schedule thread per kernel thread");
     auto& sched = *reinterpret_cast<sm80::BlockScheduleSmem*>(sKv_shared);
     sm80::schedule_block(p, ws, sched, part, own_items, blockIdx.x == 0 && part == 0);
+    // The stage's first TMA boxes overwrite these bytes through the async
+    // proxy: order the generic writes before them.
+    fence_smem_for_wgmma();
     __syncthreads();  // the item range is complete
     item_begin = sched.part_num_items > 0 ? sched.part_first_item : 0;
     item_end = item_begin + sched.part_num_items;
