@@ -6,9 +6,8 @@
 #include <cuda_fp16.h>
 
 #include <cub/block/block_reduce.cuh>
-#include <cstdlib>
-#include <cstring>
 
+#include "csrc/common/env_flag.h"
 #include "csrc/sm80/api.h"
 
 namespace mla_jax {
@@ -39,9 +38,9 @@ constexpr int kRowFloat4s = 4;     // float4s per lane of a 512-column row
 constexpr int64_t kBlockBelowPairs = 2048;  // combine_kernel: fewer pairs than this ...
 constexpr int kBlockMinSplits = 32;         // ... and at least this many splits per request
 constexpr int64_t kSliceBelowPairs = 1024;  // a warp per slice below this many pairs
+constexpr int kWeightChunk = 256;  // splits whose weights are staged in shared memory at once
 
 enum class CombineGrid { kBlock, kSlices, kRows };
-constexpr int kWeightChunk = 256;  // splits whose weights are staged in shared memory at once
 
 template <typename OutT>
 __device__ __forceinline__ void store4(OutT* dst, float4 v);
@@ -271,11 +270,9 @@ cudaError_t run_combine(const PagedDecodeParams& params, const DecodeWorkspace& 
   }
   // MLA_JAX_COMBINE_GRID=block|rows|slices overrides the choice (tests and
   // A/B runs; every grid gives the right answer for every shape).
-  if (const char* forced = std::getenv("MLA_JAX_COMBINE_GRID")) {
-    if (std::strcmp(forced, "block") == 0) grid_kind = CombineGrid::kBlock;
-    if (std::strcmp(forced, "rows") == 0) grid_kind = CombineGrid::kRows;
-    if (std::strcmp(forced, "slices") == 0) grid_kind = CombineGrid::kSlices;
-  }
+  if (env_is("MLA_JAX_COMBINE_GRID", "block")) grid_kind = CombineGrid::kBlock;
+  if (env_is("MLA_JAX_COMBINE_GRID", "rows")) grid_kind = CombineGrid::kRows;
+  if (env_is("MLA_JAX_COMBINE_GRID", "slices")) grid_kind = CombineGrid::kSlices;
   const int row_ctas = (rows + kRowWarps - 1) / kRowWarps;
   switch (grid_kind) {
     case CombineGrid::kBlock: {

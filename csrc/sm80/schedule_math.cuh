@@ -117,17 +117,22 @@ __device__ __forceinline__ int equal_piece_stride(int batch, int parts, int max_
   return k >= 2 ? k : 0;
 }
 
-// Request b (n blocks) cut into min(stride, n) equal pieces (one if empty)
-// in partitions [b stride, b stride + pieces).
+// Pieces of a request with n blocks: min(stride, n), one if it is empty.
+__device__ __forceinline__ int equal_piece_count(int n, int stride) {
+  return n < stride ? (n > 0 ? n : 1) : stride;
+}
+
+// Request b (n blocks) cut into equal_piece_count pieces in partitions
+// [b stride, b stride + pieces).
 __device__ __forceinline__ RequestCut equal_pieces_cut(int b, int n, int64_t first_block_pos, int stride) {
-  const int count = n < stride ? (n > 0 ? n : 1) : stride;
+  const int count = equal_piece_count(n, stride);
   return RequestCut{first_block_pos, n, b * stride, count, count, true};
 }
 
 // Work units of a request's largest equal piece (its blocks rounded up,
 // plus the fixed cost).
 __device__ __forceinline__ int64_t equal_piece_load(int n, int stride) {
-  const int count = n < stride ? (n > 0 ? n : 1) : stride;
+  const int count = equal_piece_count(n, stride);
   return (n + count - 1) / count + kSplitOverhead;
 }
 
