@@ -21,18 +21,19 @@ using S32Result = ffi::Result<ffi::Buffer<ffi::S32>>;
 using F32Result = ffi::Result<ffi::Buffer<ffi::F32>>;
 
 // Scratch sizes come from the buffers (they may be symbolic in Python):
-// num_parts from part_begin's last dim, max_items from items' first dim.
+// num_parts from part_begin's last dim, max_items from out_accum's first
+// dim, item_regions from how many max_items x 4 regions items holds.
 ffi::Error make_workspace(int64_t requests, int64_t rows, int64_t dv, int64_t max_num_splits,
                           S32Result request_meta, S32Result part_begin, S32Result items,
                           F32Result out_accum, F32Result lse_accum, sm80::DecodeWorkspace* ws) {
   auto parts_dims = part_begin->dimensions();
-  auto item_dims = items->dimensions();
-  if (parts_dims.size() < 1 || item_dims.size() < 1 || max_num_splits < 0 ||
-      parts_dims[parts_dims.size() - 1] > INT32_MAX || item_dims[0] > INT32_MAX) {
+  auto accum_dims = out_accum->dimensions();
+  if (parts_dims.size() < 1 || accum_dims.size() < 1 || max_num_splits < 0 ||
+      parts_dims[parts_dims.size() - 1] > INT32_MAX || accum_dims[0] > INT32_MAX || accum_dims[0] < 1) {
     return ffi::Error::InvalidArgument("mla_jax: malformed scratch buffers or max_num_splits");
   }
   ws->num_parts = static_cast<int>(parts_dims[parts_dims.size() - 1]) - 1;
-  ws->max_items = static_cast<int>(item_dims[0]);
+  ws->max_items = static_cast<int>(accum_dims[0]);
   ws->max_num_splits = static_cast<int>(max_num_splits);
   const size_t max_items = static_cast<size_t>(ws->max_items);
   // The scheduler writes part_begin[0 .. num_parts] and reads every item slot.
@@ -43,6 +44,7 @@ ffi::Error make_workspace(int64_t requests, int64_t rows, int64_t dv, int64_t ma
       out_accum->element_count() < max_items * rows * dv || lse_accum->element_count() < max_items * rows) {
     return ffi::Error::InvalidArgument("mla_jax: scratch buffers are too small for this call");
   }
+  ws->item_regions = static_cast<int>(items->element_count() / (4 * max_items));
   ws->request_meta = request_meta->typed_data();
   ws->part_begin = part_begin->typed_data();
   ws->items = items->typed_data();

@@ -38,11 +38,14 @@ def split_kv_scratch(requests, rows: int, dv: int):
   The scheduler never makes more than requests + num_parts splits.
   """
   parts = cuda_num_parts(rows)
+  row_blocks = math.ceil(rows / 64)
   i32, f32 = jnp.int32, jnp.float32
   return (
       jax.ShapeDtypeStruct((requests, 2), i32),             # per request: first split, splits
       jax.ShapeDtypeStruct((parts + 1,), i32),              # per partition: first split
-      jax.ShapeDtypeStruct((requests + parts, 4), i32),     # per split: request, blocks, load
+      # per split: request, blocks, partition; one region per 64-row block
+      # (the Hopper kernel's CTAs keep their own partition's splits there)
+      jax.ShapeDtypeStruct(((requests + parts) * row_blocks, 4), i32),
       jax.ShapeDtypeStruct((requests + parts, rows, dv), f32),  # partial outputs (normalised)
       jax.ShapeDtypeStruct((requests + parts, rows), f32),  # partial LSEs
   )

@@ -216,6 +216,51 @@ def test_inline_schedule_matches_scheduler_kernel_bitwise(monkeypatch, heads, ma
   np.testing.assert_array_equal(results[0][1], results[1][1])
 
 
+@pytest.mark.parametrize("heads,q_len,lens,max_num_splits", [
+    (128, 1, "mixed40", None),     # cut schedule, one chunk of the block schedule
+    (128, 1, "equal130", None),    # whole requests
+    (16, 1, "mixed300", None),     # two chunks of 256 requests
+    (16, 1, "equal44", None),      # equal pieces (132 partitions, 3 per request)
+    (128, 2, "mixed64", 3),        # capped pieces (two 30k requests), 4 row blocks
+    (64, 1, "bad40", None),        # empty, invalid and bad-page requests
+    (16, 1, "short40", None),      # 40 short requests: most of the 132 partitions get no item
+])
+def test_schedule_in_decode_matches_scheduler_kernel_bitwise(monkeypatch, heads, q_len, lens, max_num_splits):
+  # Batches of more than 32 requests are scheduled inside every CTA of the
+  # seesaw kernel on sm_90 (csrc/sm80/schedule_block.cuh, the scheduler
+  # kernel's own code); MLA_JAX_SCHEDULER_KERNEL=1 runs the scheduler kernel
+  # instead. The same items in the same order: the outputs agree bit for bit.
+  for name in ("MLA_JAX_PORTABLE_KERNEL", "MLA_JAX_SM90_LOCKSTEP"):
+    monkeypatch.delenv(name, raising=False)
+  rng = np.random.default_rng(41 + heads + q_len)
+  kind, batch = lens.rstrip("0123456789"), int(lens.lstrip("abcdefghijklmnopqrstuvwxyz"))
+  if kind == "equal":
+    seq = np.full(batch, 1000 if batch > 100 else 3000)
+  elif kind == "short":
+    seq = rng.integers(1, 60, size=batch)
+  else:
+    seq = rng.integers(1, 2000 if batch > 100 else 9000, size=batch)
+  if max_num_splits is not None:
+    seq[[3, 40]] = 30000
+  if kind == "bad":
+    seq[[0, 5]] = 0
+  d = random_paged_inputs(rng, seq.astype(np.int32), num_heads=heads, page_size=64, q_len=q_len)
+  if kind == "bad":
+    d["seq_lens"][7] = -2
+    d["block_table"][9, 3] = d["kv_cache"].shape[0] + 1
+  plan = mla_jax.DecodePlan(num_heads=heads, page_size=64, sm_scale=SM_SCALE, q_len=q_len,
+                            causal=q_len > 1, backend="cuda", max_num_splits=max_num_splits)
+  results = []
+  for flag in ("0", "1"):
+    monkeypatch.setenv("MLA_JAX_SCHEDULER_KERNEL", flag)
+    jax.clear_caches()
+    results.append(_run(d, plan, jnp.bfloat16))
+  jax.clear_caches()
+  _check(*results[0])
+  np.testing.assert_array_equal(results[0][0], results[1][0])
+  np.testing.assert_array_equal(results[0][1], results[1][1])
+
+
 def test_bad_page_in_split_request_many_rows():
   # 20 requests x 128 heads: enough (request, row) pairs for the
   # warp-per-row combine, whose NaN path a bad page in a split request takes.
@@ -373,9 +418,9 @@ def test_equal_pieces_schedule_when_requests_are_few(monkeypatch, heads, k, seq_
   # largest piece is within 10 % of the equal share at these lengths), the
   # same pieces as max_num_splits=k, so the results must agree bit for bit;
   # the cut schedule would cut at the work line's shares instead. On an
-  # H100/H200 the 22 requests at 128 heads are scheduled inside the seesaw
-  # kernel, the 33 at 64 heads by the scheduler kernel; the former must also
-  # match the scheduler kernel bit for bit.
+  # H100/H200 both batches (22 requests at 128 heads, 33 at 64) are
+  # scheduled inside the seesaw kernel (by one warp, by the whole CTA); both
+  # must also match the scheduler kernel bit for bit.
   from mla_jax._scratch import cuda_num_parts
   batch = cuda_num_parts(heads) // k
   rng = np.random.default_rng(47 + heads + batch)

@@ -23,16 +23,26 @@ constexpr int kSchedBlockTokens = 64;
 struct DecodeWorkspace {
   int32_t* request_meta = nullptr;  // [batch, 2]: first item, number of splits
   int32_t* part_begin = nullptr;    // [num_parts + 1]: first item of each partition
-  int32_t* items = nullptr;         // [max_items, 4]: request, block begin, block end, partition
+  // [item_regions * max_items, 4]: request, block begin, block end, partition
+  // (the scheduler kernel writes region 0). With schedule_in_decode, the
+  // Hopper kernel's CTAs of row block x write their partition's items to
+  // region x as request, block begin, block end, the request's item count.
+  int32_t* items = nullptr;
   float* out_accum = nullptr;       // [max_items, rows, kv_lora_rank]: normalised partial outputs
   float* lse_accum = nullptr;       // [max_items, rows]: partial LSEs (natural log)
   int num_parts = 1;
   int max_items = 0;                // >= batch + num_parts
+  int item_regions = 1;             // regions of max_items entries in items
   int max_num_splits = 0;           // cap on splits per request; 0 = none
   int sparse_group = 1;             // sparse mode: query tokens per batch entry
   // true: the decode kernel schedules inline (schedule_inline.cuh); items
   // and part_begin are not used, request_meta is written by the decode kernel.
   bool inline_schedule = false;
+  // true: each CTA of the Hopper seesaw kernel computes the whole schedule
+  // (schedule_block.cuh) and keeps its partition's items (items region of
+  // its row block); part_begin is not used, request_meta is written by CTA
+  // (0, 0). Needs item_regions >= the grid's row blocks.
+  bool schedule_in_decode = false;
 };
 
 // Rows (q_len x heads) handled by one CTA for a given request row count.

@@ -21,17 +21,22 @@ cudaError_t launch_decode(const PagedDecodeParams& p, const DecodeWorkspace& ws,
   // Per call, not cached: the attribute belongs to the current device.
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemAlloc);
   if (err != cudaSuccess) return err;
-  // Small batches: the seesaw kernel schedules itself (no scheduler kernel);
-  // MLA_JAX_SCHEDULER_KERNEL=1 keeps the scheduler kernel for them too.
+  // The seesaw kernel schedules itself (no scheduler kernel, no launch gap):
+  // batches of up to 32 requests with one warp's shuffles
+  // (sm80/schedule_inline.cuh), larger ones with the block-level schedule
+  // in every CTA (sm80/schedule_block.cuh) where the items scratch has a
+  // region per row block. MLA_JAX_SCHEDULER_KERNEL=1 keeps the scheduler
+  // kernel for every batch.
+  const int rows = p.rows_per_request();
+  dim3 grid((rows + Tr::kBlockM - 1) / Tr::kBlockM, ws.num_parts);
   DecodeWorkspace w = ws;
-  w.inline_schedule =
-      seesaw && p.batch <= sm80::kInlineScheduleMaxBatch && !env_flag("MLA_JAX_SCHEDULER_KERNEL");
-  if (!w.inline_schedule) {
+  const bool own_schedule = seesaw && !env_flag("MLA_JAX_SCHEDULER_KERNEL");
+  w.inline_schedule = own_schedule && p.batch <= sm80::kInlineScheduleMaxBatch;
+  w.schedule_in_decode = own_schedule && !w.inline_schedule && ws.item_regions >= static_cast<int>(grid.x);
+  if (!w.inline_schedule && !w.schedule_in_decode) {
     err = sm80::run_scheduler(p, w, stream);  // after the host work: see sm80::paged_decode
     if (err != cudaSuccess) return err;
   }
-  const int rows = p.rows_per_request();
-  dim3 grid((rows + Tr::kBlockM - 1) / Tr::kBlockM, w.num_parts);
   kernel<<<grid, Tr::kThreads, Tr::kSmemAlloc, stream>>>(p, w, tma);
   return cudaGetLastError();
 }

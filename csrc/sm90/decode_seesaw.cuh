@@ -36,6 +36,7 @@
 // Every wgmma a warpgroup issues in a pair is waited for inside the pair.
 #pragma once
 
+#include "csrc/sm80/schedule_block.cuh"
 #include "csrc/sm90/decode_kernel.cuh"
 
 namespace mla_jax {
@@ -119,8 +120,27 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     cutlass::arch::fence_barrier_init();
   }
   __syncthreads();  // also publishes the inline schedule
-  const int item_begin = ws.inline_schedule ? 0 : ws.part_begin[part];
-  const int item_end = ws.inline_schedule ? *s_num_items : ws.part_begin[part + 1];
+  // Larger batches without the scheduler kernel: every CTA computes the
+  // whole schedule in a KV stage no load has touched yet and keeps its
+  // partition's items in its row block's region of ws.items.
+  int32_t* own_items = ws.items + int64_t{blockIdx.x} * ws.max_items * 4;
+  int item_begin, item_end;
+  if (ws.schedule_in_decode) {
+    static_assert(sizeof(sm80::BlockScheduleSmem) <= Tr::kTileBytes, "schedule fits a KV stage");
+    static_assert(Tr::kThreads == sm80::kScheduleThreads, "one schedule thread per kernel thread");
+    auto& sched = *reinterpret_cast<sm80::BlockScheduleSmem*>(sKv_shared);
+    sm80::schedule_block(p, ws, sched, part, own_items, blockIdx.x == 0 && part == 0);
+    // The stage's first TMA boxes overwrite these bytes through the async
+    // proxy: order the generic writes before them.
+    fence_smem_for_wgmma();
+    __syncthreads();  // the item range is complete
+    item_begin = sched.part_num_items > 0 ? sched.part_first_item : 0;
+    item_end = item_begin + sched.part_num_items;
+    __syncthreads();  // read before the stage is reused for tiles
+  } else {
+    item_begin = ws.inline_schedule ? 0 : ws.part_begin[part];
+    item_end = ws.inline_schedule ? *s_num_items : ws.part_begin[part + 1];
+  }
   // Warpgroup w computes S only over stage w's tiles, so it alone waits on
   // stage w's barriers: one phase bit per warpgroup.
   uint32_t full_phase = 0;
@@ -143,6 +163,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       const sm80::PartItem own = s_items[i];
       item = own.item;
       it = make_item<kBlockN>(p, ws, own.b, own.block_begin, own.block_end, own.splits);
+    } else if (ws.schedule_in_decode) {
+      const int4 own = reinterpret_cast<const int4*>(own_items)[i];
+      it = make_item<kBlockN>(p, ws, own.x, own.y, own.z, own.w);
     } else {
       it = load_item<kBlockN>(p, ws, i);
     }
