@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <string>
 
+#include "csrc/common/env_flag.h"
 #include "csrc/sm80/api.h"
 #include "ffi/decode_args.h"
 #include "ffi/handlers.h"
@@ -15,6 +16,13 @@ namespace {
 
 ffi::Error cuda_error(const char* what, cudaError_t err) {
   return ffi::Error::Internal(std::string("mla_jax paged decode: ") + what + ": " + cudaGetErrorString(err));
+}
+
+// The A/B switches with a fixed set of values (README "Which CUDA kernel
+// runs"); the boolean ones accept any value.
+ffi::Error check_env_switches() {
+  const std::string why = env_choice_error("MLA_JAX_COMBINE_GRID", {"block", "rows", "slices"});
+  return why.empty() ? ffi::Error::Success() : ffi::Error::InvalidArgument(why);
 }
 
 using S32Result = ffi::Result<ffi::Buffer<ffi::S32>>;
@@ -66,6 +74,8 @@ ffi::Error paged_decode_cuda_impl(
   if (const char* why = sm80::check_supported(params)) {
     return ffi::Error::InvalidArgument(std::string("mla_jax paged decode: ") + why);
   }
+  err = check_env_switches();
+  if (err.failure()) return err;
   sm80::DecodeWorkspace ws;
   err = make_workspace(params.batch, params.rows_per_request(), params.kv_lora_rank, max_num_splits,
                        request_meta, part_begin, items, out_accum, lse_accum, &ws);
@@ -90,6 +100,8 @@ ffi::Error sparse_decode_cuda_impl(
   if (const char* why = sm80::check_supported(params)) {
     return ffi::Error::InvalidArgument(std::string("mla_jax sparse decode: ") + why);
   }
+  err = check_env_switches();
+  if (err.failure()) return err;
   sm80::DecodeWorkspace ws;
   err = make_workspace(int64_t{params.batch} * params.q_len, params.num_heads, params.kv_lora_rank, 0,
                        request_meta, part_begin, items, out_accum, lse_accum, &ws);

@@ -316,6 +316,21 @@ def test_combine_grids(monkeypatch, heads, q_len):
   np.testing.assert_array_equal(results["rows"][1], results["slices"][1])
 
 
+def test_unknown_combine_grid_is_an_error(monkeypatch):
+  # A typo in the switch must fail the call with a message that names it,
+  # not run the default grid silently.
+  rng = np.random.default_rng(41)
+  d = random_paged_inputs(rng, [3000, 70], num_heads=16, page_size=64)
+  plan = mla_jax.DecodePlan(num_heads=16, page_size=64, sm_scale=SM_SCALE, backend="cuda")
+  monkeypatch.setenv("MLA_JAX_COMBINE_GRID", "slice")
+  jax.clear_caches()
+  with pytest.raises(Exception, match="MLA_JAX_COMBINE_GRID='slice' is not one of: block, rows, slices"):
+    _run(d, plan, jnp.bfloat16)
+  monkeypatch.setenv("MLA_JAX_COMBINE_GRID", "")  # empty: the default choice
+  jax.clear_caches()
+  _check(*_run(d, plan, jnp.bfloat16))
+
+
 def test_64_row_blocks_bad_inputs(kernel_choice):
   rng = np.random.default_rng(17)
   d = random_paged_inputs(rng, [9000, 9000, 100, 100, 50], num_heads=128, page_size=64)
