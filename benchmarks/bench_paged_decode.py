@@ -584,7 +584,7 @@ def table(meta, rows):
                f"commit {meta['commit'][:12]} (source {meta.get('source_digest', '-')[:12]}) | {meta['date']}")
   lines.append(f"backend {meta['backend_requested']} -> {meta['backend_resolved']}; "
                f"ceilings{'' if ceil['measured'] else ' (partly nominal)'}: copy "
-               f"{ceil['bw_Bps'] / 1e12:.2f} TB/s (r+w), bf16 mm {ceil['mm_flops'] / 1e12:.0f} TFLOP/s")
+               f"{ceil['bw_Bps'] / 1e12:.3g} TB/s (r+w), bf16 mm {ceil['mm_flops'] / 1e12:.3g} TFLOP/s")
   lines.append("us: median per-call slope of chained jitted calls (rotating caches, L2-cold); "
                "%BW/%MM of those ceilings; roof = floor/us")
   hdr = (f"{'#':>2} {'row':<17}{'us':>9}{'TF/s':>7}{'GB/s':>7}{'%BW':>5}{'%MM':>5}{'roof':>5}"
