@@ -196,15 +196,9 @@ def test_64_row_blocks_both_kernels(kernel_choice, heads, q_len, page_size, dtyp
   _check(*_run(d, plan, dtype))
 
 
-@pytest.mark.parametrize("heads,max_num_splits", [(128, None), (128, 3), (16, None)])
-def test_inline_schedule_matches_scheduler_kernel_bitwise(monkeypatch, heads, max_num_splits):
-  # Batches of up to 32 requests are scheduled inside the decode kernel on
-  # sm_90 (elsewhere both runs take the scheduler kernel): the same items in
-  # the same order, so the outputs must agree bit for bit.
-  rng = np.random.default_rng(19 + heads)
-  d = random_paged_inputs(rng, [0, 1, 700, 9000, 64, 3000, 20000], num_heads=heads, page_size=64)
-  plan = mla_jax.DecodePlan(num_heads=heads, page_size=64, sm_scale=SM_SCALE, backend="cuda",
-                            max_num_splits=max_num_splits)
+def _check_same_bits_with_scheduler_kernel(monkeypatch, d, plan):
+  # The kernel's own schedule (MLA_JAX_SCHEDULER_KERNEL=0) against the
+  # scheduler kernel's (=1): checked against the reference, then bit for bit.
   results = []
   for flag in ("0", "1"):
     monkeypatch.setenv("MLA_JAX_SCHEDULER_KERNEL", flag)
@@ -214,6 +208,18 @@ def test_inline_schedule_matches_scheduler_kernel_bitwise(monkeypatch, heads, ma
   _check(*results[0])
   np.testing.assert_array_equal(results[0][0], results[1][0])
   np.testing.assert_array_equal(results[0][1], results[1][1])
+
+
+@pytest.mark.parametrize("heads,max_num_splits", [(128, None), (128, 3), (16, None)])
+def test_inline_schedule_matches_scheduler_kernel_bitwise(monkeypatch, heads, max_num_splits):
+  # Batches of up to 32 requests are scheduled inside the decode kernel on
+  # sm_90 (elsewhere both runs take the scheduler kernel): the same items in
+  # the same order, so the outputs must agree bit for bit.
+  rng = np.random.default_rng(19 + heads)
+  d = random_paged_inputs(rng, [0, 1, 700, 9000, 64, 3000, 20000], num_heads=heads, page_size=64)
+  plan = mla_jax.DecodePlan(num_heads=heads, page_size=64, sm_scale=SM_SCALE, backend="cuda",
+                            max_num_splits=max_num_splits)
+  _check_same_bits_with_scheduler_kernel(monkeypatch, d, plan)
 
 
 @pytest.mark.parametrize("heads,q_len,lens,max_num_splits", [
@@ -250,15 +256,7 @@ def test_schedule_in_decode_matches_scheduler_kernel_bitwise(monkeypatch, heads,
     d["block_table"][9, 3] = d["kv_cache"].shape[0] + 1
   plan = mla_jax.DecodePlan(num_heads=heads, page_size=64, sm_scale=SM_SCALE, q_len=q_len,
                             causal=q_len > 1, backend="cuda", max_num_splits=max_num_splits)
-  results = []
-  for flag in ("0", "1"):
-    monkeypatch.setenv("MLA_JAX_SCHEDULER_KERNEL", flag)
-    jax.clear_caches()
-    results.append(_run(d, plan, jnp.bfloat16))
-  jax.clear_caches()
-  _check(*results[0])
-  np.testing.assert_array_equal(results[0][0], results[1][0])
-  np.testing.assert_array_equal(results[0][1], results[1][1])
+  _check_same_bits_with_scheduler_kernel(monkeypatch, d, plan)
 
 
 def test_bad_page_in_split_request_many_rows():
