@@ -41,6 +41,7 @@ import dataclasses
 import datetime
 import functools
 import gc
+import hashlib
 import json
 import math
 import os
@@ -580,7 +581,7 @@ def table(meta, rows):
   ceil = meta["ceilings"]
   lines = []
   lines.append(f"== mla_jax paged MLA decode | {meta['device']} | jax {meta['jax_version']} | "
-               f"commit {meta['commit'][:12]} | {meta['date']}")
+               f"commit {meta['commit'][:12]} (source {meta.get('source_digest', '-')[:12]}) | {meta['date']}")
   lines.append(f"backend {meta['backend_requested']} -> {meta['backend_resolved']}; "
                f"ceilings{'' if ceil['measured'] else ' (partly nominal)'}: copy "
                f"{ceil['bw_Bps'] / 1e12:.2f} TB/s (r+w), bf16 mm {ceil['mm_flops'] / 1e12:.0f} TFLOP/s")
@@ -631,6 +632,33 @@ def table(meta, rows):
       if e:
         lines.append(f"error {r['name']} {what}: {e[:160]}")
   return "\n".join(lines)
+
+
+# What a build compiles or imports, by folder and file suffix (build outputs
+# such as an in-place extension module are left out).
+SOURCE_DIRS = ("mla_jax", "csrc", "ffi")
+SOURCE_TOP_FILES = ("CMakeLists.txt", "pyproject.toml")
+SOURCE_SUFFIXES = (".py", ".h", ".hpp", ".cc", ".cpp", ".cu", ".cuh", ".txt", ".toml")
+
+
+def source_digest(root=REPO):
+  """sha256 (hex) of the package's source files under `root`: their paths and contents.
+
+  Identifies the code a result came from without git metadata (a tree copied to
+  another machine may carry a stale .git). `--print-source-digest` prints it for
+  the current tree, to compare with a results file's `source_digest`.
+  """
+  root = Path(root)
+  files = [root / f for f in SOURCE_TOP_FILES if (root / f).is_file()]
+  for d in SOURCE_DIRS:
+    files += [f for f in (root / d).rglob("*")
+              if f.is_file() and f.suffix in SOURCE_SUFFIXES and "__pycache__" not in f.parts]
+  h = hashlib.sha256()
+  for f in sorted(files, key=lambda f: f.relative_to(root).as_posix()):
+    data = f.read_bytes()
+    h.update(f"{f.relative_to(root).as_posix()}\0{len(data)}\0".encode())
+    h.update(data)
+  return h.hexdigest()
 
 
 def git_commit(arg):
@@ -703,11 +731,16 @@ def main(argv=None):
                  help="skip the profiler-trace device time of the timed op (GPU only)")
   p.add_argument("--print-floors", action="store_true",
                  help="print the nominal-floor table (NOTES.md) and exit")
+  p.add_argument("--print-source-digest", action="store_true",
+                 help="print the source digest of this tree (see source_digest) and exit")
   args = p.parse_args(argv)
   if args.out is None and args.smoke:
     args.out = str(REPO / "benchmarks" / "results" / "smoke.json")
   if args.l2_mb is None:
     args.l2_mb = 0.5 if args.smoke else 60.0
+  if args.print_source_digest:
+    print(source_digest())
+    return 0
   if args.print_floors:
     print_floors(load_anchors(find_anchors(args.anchors)))
     return 0
@@ -743,7 +776,7 @@ def main(argv=None):
   meta = dict(
       device=f"{dev.device_kind} ({platform})", platform=platform,
       date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-      commit=commit, dirty=dirty, jax_version=jax.__version__, jaxlib_version=jaxlib.__version__,
+      commit=commit, dirty=dirty, source_digest=source_digest(), jax_version=jax.__version__, jaxlib_version=jaxlib.__version__,
       python=sys.version.split()[0], mla_jax_version=mla_jax.__version__,
       mla_jax_file=mla_jax.__file__, has_cuda_kernels=_ffi.has_cuda_kernels(),
       cuda_archs=_ffi.cuda_archs(), backend_requested=args.backend, backend_resolved=resolved,
