@@ -49,6 +49,9 @@ namespace sm90 {
 template <typename Tr, bool kBlockSchedule>
 __global__ void __launch_bounds__(Tr::kThreads, 1)
     decode_seesaw_kernel(const PagedDecodeParams p, const DecodeWorkspace ws, const __grid_constant__ KvTma tma) {
+  // The combine kernel after this one may be dispatched now; it waits for
+  // this grid to complete before reading anything (csrc/common/pdl.h).
+  pdl_allow_dependents();
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using namespace cute;
   using T = typename Tr::QType;
