@@ -316,12 +316,17 @@ def test_combine_grids(monkeypatch, heads, q_len):
   np.testing.assert_array_equal(results["rows"][1], results["slices"][1])
 
 
-@pytest.mark.parametrize("lens,heads", [([4096], 128), ([42000] * 3 + [5, 0], 12), ([700, 90, 3000] * 20, 16)])
-def test_programmatic_combine_launch_matches_plain_bitwise(monkeypatch, lens, heads):
+@pytest.mark.parametrize("kernel_env", [None, "MLA_JAX_SCHEDULER_KERNEL", "MLA_JAX_PORTABLE_KERNEL"])
+@pytest.mark.parametrize("lens,heads", [([4096], 128), ([42000] * 3 + [5, 0], 12), ([700, 90, 3000] * 20, 32)])
+def test_programmatic_combine_launch_matches_plain_bitwise(monkeypatch, lens, heads, kernel_env):
   # MLA_JAX_PDL=1 lets the combine's CTAs be dispatched while the decode
   # kernel runs (csrc/common/pdl.h); they wait for it before reading, so the
-  # bits must be those of the plain launch. The shapes reach the block, slice
-  # and row grids of the combine.
+  # bits must be those of the plain launch. On 132 SMs the shapes reach the
+  # block (128 pairs, one request), slice (60 pairs) and row (1920 pairs)
+  # grids of the combine; kernel_env adds the scheduler-kernel and portable
+  # decode paths.
+  if kernel_env:
+    monkeypatch.setenv(kernel_env, "1")
   rng = np.random.default_rng(43 + heads)
   d = random_paged_inputs(rng, lens, num_heads=heads, page_size=64)
   plan = mla_jax.DecodePlan(num_heads=heads, page_size=64, sm_scale=SM_SCALE, backend="cuda")

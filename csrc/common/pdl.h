@@ -43,10 +43,17 @@ inline bool pdl_enabled() {
 }
 
 // kernel<<<grid, block, smem, stream>>>(args...), with programmatic stream
-// serialisation when `programmatic`.
+// serialisation when `programmatic` and the kernel's code was compiled for
+// sm_90 or later: a build without 90a/100a code runs PTX JIT-compiled for an
+// older target, where pdl_wait_for_previous() is compiled out, so the
+// attribute would let the kernel race the one before it.
 template <typename... Params, typename... Args>
 cudaError_t launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
                           bool programmatic, Args&&... args) {
+  if (programmatic) {
+    cudaFuncAttributes attrs;
+    programmatic = cudaFuncGetAttributes(&attrs, kernel) == cudaSuccess && attrs.ptxVersion >= 90;
+  }
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
@@ -57,7 +64,11 @@ cudaError_t launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size
   config.stream = stream;
   config.attrs = attr;
   config.numAttrs = programmatic ? 1 : 0;
-  return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
+  const cudaError_t err = cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
+  // Read (and clear) the last error here, as after a <<<>>> launch, so a
+  // failure is reported by this call and not by a later one.
+  const cudaError_t last = cudaGetLastError();
+  return err != cudaSuccess ? err : last;
 }
 
 }  // namespace mla_jax
