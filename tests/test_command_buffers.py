@@ -231,38 +231,58 @@ def reference():
               sl=np.stack([s["seq_lens"] for s in states]))
 
 
+def _check_run(mode, info, res, reference):
+  assert info["platform"] == "gpu", info
+  for loop in ("scan", "fori"):   # the flags took effect
+    if mode == "off":
+      assert not info[loop]["evidence"], info
+    if mode == "on":
+      assert info[loop]["evidence"], info
+      if info["cuda_kernels"] and info[loop]["cuda_target"]:
+        # The kernel itself runs inside the CUDA graph (its FFI handler is
+        # command-buffer compatible); the only custom call in the loop.
+        assert info[loop]["captured_custom_calls"] >= 1 or info[loop][
+            "target_in_command_buffer"], info
+  if info["cuda_kernels"]:
+    assert info["scan"]["cuda_target"] and info["fori"]["cuda_target"], info
+  for loop in ("scan", "fori"):
+    np.testing.assert_array_equal(res[f"{loop}_sl"], reference["sl"])
+    np.testing.assert_array_equal(res[f"{loop}_bt"], reference["bt"])
+    for t in range(STEPS):
+      msg = f"mode {mode}, {loop}, step {t}"
+      np.testing.assert_allclose(res[f"{loop}_out"][t], reference["out"][t], atol=2e-2, rtol=0,
+                                 err_msg=msg)
+      np.testing.assert_allclose(res[f"{loop}_lse"][t], reference["lse"][t], atol=1e-2, rtol=0,
+                                 err_msg=msg)
+
+
 @pytest.mark.gpu
 def test_decode_loop_with_and_without_command_buffers(reference, tmp_path):
   runs = {mode: _run_mode(mode, tmp_path) for mode in MODES}
   for mode, (info, res) in runs.items():
-    assert info["platform"] == "gpu", info
-    for loop in ("scan", "fori"):   # the flags took effect
-      if mode == "off":
-        assert not info[loop]["evidence"], info
-      if mode == "on":
-        assert info[loop]["evidence"], info
-        if info["cuda_kernels"] and info[loop]["cuda_target"]:
-          # The kernel itself runs inside the CUDA graph (its FFI handler is
-          # command-buffer compatible); the only custom call in the loop.
-          assert info[loop]["captured_custom_calls"] >= 1 or info[loop][
-              "target_in_command_buffer"], info
-    if info["cuda_kernels"]:
-      assert info["scan"]["cuda_target"] and info["fori"]["cuda_target"], info
-    for loop in ("scan", "fori"):
-      np.testing.assert_array_equal(res[f"{loop}_sl"], reference["sl"])
-      np.testing.assert_array_equal(res[f"{loop}_bt"], reference["bt"])
-      for t in range(STEPS):
-        msg = f"mode {mode}, {loop}, step {t}"
-        np.testing.assert_allclose(res[f"{loop}_out"][t], reference["out"][t], atol=2e-2, rtol=0,
-                                   err_msg=msg)
-        np.testing.assert_allclose(res[f"{loop}_lse"][t], reference["lse"][t], atol=1e-2, rtol=0,
-                                   err_msg=msg)
+    _check_run(mode, info, res, reference)
   base = runs["off"][1]
   for mode in ("default", "on"):
     for key in base:
       np.testing.assert_allclose(runs[mode][1][key], base[key], atol=1e-3, rtol=0,
                                  err_msg=f"{mode} vs off: {key}")
   print({mode: info for mode, (info, _) in runs.items()})
+
+
+@pytest.mark.gpu
+def test_decode_loop_in_command_buffers_with_programmatic_combine(reference, tmp_path, monkeypatch):
+  # MLA_JAX_PDL=1 (csrc/common/pdl.h): captured into the CUDA graph, the
+  # combine's programmatic launch becomes a programmatic edge; the results
+  # must be those of the plain launch, bit for bit.
+  (tmp_path / "plain").mkdir()
+  (tmp_path / "pdl").mkdir()
+  monkeypatch.delenv("MLA_JAX_PDL", raising=False)
+  _, plain = _run_mode("on", tmp_path / "plain")
+  monkeypatch.setenv("MLA_JAX_PDL", "1")  # the child process inherits it
+  info, res = _run_mode("on", tmp_path / "pdl")
+  _check_run("on", info, res, reference)
+  for key in plain:
+    np.testing.assert_array_equal(res[key], plain[key], err_msg=key)
 
 
 if __name__ == "__main__":

@@ -314,6 +314,32 @@ def test_combine_grids(monkeypatch, heads, q_len):
   np.testing.assert_array_equal(results["rows"][1], results["slices"][1])
 
 
+@pytest.mark.parametrize("kernel_env", [None, "MLA_JAX_SCHEDULER_KERNEL", "MLA_JAX_PORTABLE_KERNEL"])
+@pytest.mark.parametrize("lens,heads", [([4096], 128), ([42000] * 3 + [5, 0], 12), ([700, 90, 3000] * 20, 32)])
+def test_programmatic_combine_launch_matches_plain_bitwise(monkeypatch, lens, heads, kernel_env):
+  # MLA_JAX_PDL=1 lets the combine's CTAs be dispatched while the decode
+  # kernel runs (csrc/common/pdl.h); they wait for it before reading, so the
+  # bits must be those of the plain launch. On 132 SMs the shapes reach the
+  # block (128 pairs, one request), slice (60 pairs) and row (1920 pairs)
+  # grids of the combine; kernel_env adds the scheduler-kernel and portable
+  # decode paths.
+  if kernel_env:
+    monkeypatch.setenv(kernel_env, "1")
+  rng = np.random.default_rng(43 + heads)
+  d = random_paged_inputs(rng, lens, num_heads=heads, page_size=64)
+  plan = mla_jax.DecodePlan(num_heads=heads, page_size=64, sm_scale=SM_SCALE, backend="cuda")
+  monkeypatch.delenv("MLA_JAX_PDL", raising=False)
+  jax.clear_caches()
+  plain = _run(d, plan, jnp.bfloat16)
+  _check(*plain)
+  monkeypatch.setenv("MLA_JAX_PDL", "1")
+  jax.clear_caches()
+  for _ in range(3):
+    pdl = _run(d, plan, jnp.bfloat16)
+    np.testing.assert_array_equal(pdl[0], plain[0])
+    np.testing.assert_array_equal(pdl[1], plain[1])
+
+
 def test_unknown_combine_grid_is_an_error(monkeypatch):
   # A typo in the switch must fail the call with a message that names it,
   # not run the default grid silently.

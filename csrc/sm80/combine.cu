@@ -8,6 +8,7 @@
 #include <cub/block/block_reduce.cuh>
 
 #include "csrc/common/env_flag.h"
+#include "csrc/common/pdl.h"
 #include "csrc/sm80/api.h"
 
 namespace mla_jax {
@@ -73,6 +74,7 @@ __device__ __forceinline__ void add_weighted(float4& acc, float w, float4 v) {
 // grid: (batch, rows, dv / kWarpColumns).
 template <typename OutT>
 __global__ void __launch_bounds__(kThreads) combine_kernel(PagedDecodeParams p, DecodeWorkspace ws) {
+  pdl_wait_for_previous();  // may be dispatched before the decode kernel ends (csrc/common/pdl.h)
   const int b = blockIdx.x;
   const int row = blockIdx.y;
   const int splits = ws.request_meta[2 * b + 1];
@@ -177,6 +179,7 @@ __device__ __forceinline__ float warp_sum(float v) {
 // every SM's loads in flight otherwise.
 template <typename OutT, int kFloat4s>
 __global__ void __launch_bounds__(kRowWarps * 32) combine_rows_kernel(PagedDecodeParams p, DecodeWorkspace ws) {
+  pdl_wait_for_previous();  // may be dispatched before the decode kernel ends (csrc/common/pdl.h)
   constexpr unsigned kAll = 0xffffffffu;
   constexpr int kDv = 32 * 4 * kRowFloat4s;
   constexpr int kUnroll = 8 / kFloat4s;  // splits loaded at once: 8 float4 loads of a lane in flight
@@ -274,36 +277,25 @@ cudaError_t run_combine(const PagedDecodeParams& params, const DecodeWorkspace& 
   if (env_is("MLA_JAX_COMBINE_GRID", "rows")) grid_kind = CombineGrid::kRows;
   if (env_is("MLA_JAX_COMBINE_GRID", "slices")) grid_kind = CombineGrid::kSlices;
   const int row_ctas = (rows + kRowWarps - 1) / kRowWarps;
+  const bool programmatic = pdl_enabled();  // the decode kernel is the previous launch
   switch (grid_kind) {
     case CombineGrid::kBlock: {
-      const dim3 grid(params.batch, rows, params.kv_lora_rank / kWarpColumns);
-      if (bf16) {
-        combine_kernel<__nv_bfloat16><<<grid, kThreads, 0, stream>>>(params, ws);
-      } else {
-        combine_kernel<__half><<<grid, kThreads, 0, stream>>>(params, ws);
-      }
-      break;
+      auto kernel = bf16 ? combine_kernel<__nv_bfloat16> : combine_kernel<__half>;
+      return launch_kernel(kernel, dim3(params.batch, rows, params.kv_lora_rank / kWarpColumns), dim3(kThreads), 0,
+                           stream, programmatic, params, ws);
     }
     case CombineGrid::kSlices: {
-      const dim3 grid(params.batch, row_ctas, kRowFloat4s);
-      if (bf16) {
-        combine_rows_kernel<__nv_bfloat16, 1><<<grid, kRowWarps * 32, 0, stream>>>(params, ws);
-      } else {
-        combine_rows_kernel<__half, 1><<<grid, kRowWarps * 32, 0, stream>>>(params, ws);
-      }
-      break;
+      auto kernel = bf16 ? combine_rows_kernel<__nv_bfloat16, 1> : combine_rows_kernel<__half, 1>;
+      return launch_kernel(kernel, dim3(params.batch, row_ctas, kRowFloat4s), dim3(kRowWarps * 32), 0, stream,
+                           programmatic, params, ws);
     }
-    case CombineGrid::kRows: {
-      const dim3 grid(params.batch, row_ctas, 1);
-      if (bf16) {
-        combine_rows_kernel<__nv_bfloat16, kRowFloat4s><<<grid, kRowWarps * 32, 0, stream>>>(params, ws);
-      } else {
-        combine_rows_kernel<__half, kRowFloat4s><<<grid, kRowWarps * 32, 0, stream>>>(params, ws);
-      }
-      break;
+    case CombineGrid::kRows:
+    default: {
+      auto kernel = bf16 ? combine_rows_kernel<__nv_bfloat16, kRowFloat4s> : combine_rows_kernel<__half, kRowFloat4s>;
+      return launch_kernel(kernel, dim3(params.batch, row_ctas, 1), dim3(kRowWarps * 32), 0, stream, programmatic,
+                           params, ws);
     }
   }
-  return cudaGetLastError();
 }
 
 }  // namespace sm80

@@ -16,6 +16,7 @@
 #include <cute/arch/mma_sm80.hpp>
 
 #include "csrc/common/mla_params.h"
+#include "csrc/common/pdl.h"
 #include "csrc/sm80/api.h"
 #include "csrc/sm80/decode_traits.h"
 #include "csrc/sm80/kv_source.cuh"
@@ -119,6 +120,9 @@ __device__ __forceinline__ int tile_offset(int row, int col) {
 template <typename Tr>
 __global__ void __launch_bounds__(Tr::kThreads, 1)
     decode_kernel(const PagedDecodeParams p, const DecodeWorkspace ws) {
+  // The combine kernel after this one may be dispatched now; it waits for
+  // this grid to complete before reading anything (csrc/common/pdl.h).
+  pdl_allow_dependents();
   using T = typename Tr::QType;
   constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kMT = Tr::kMTiles;
   constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;

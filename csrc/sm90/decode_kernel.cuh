@@ -20,6 +20,7 @@
 #pragma once
 
 #include "csrc/common/mla_params.h"
+#include "csrc/common/pdl.h"
 #include "csrc/sm80/api.h"
 #include "csrc/sm80/kv_source.cuh"
 #include "csrc/sm80/request.cuh"
@@ -44,6 +45,9 @@ static_assert(kSchedBlockTokens == 64, "one KV tile per scheduler block");
 template <typename Tr>
 __global__ void __launch_bounds__(Tr::kThreads, 1)
     decode_kernel(const PagedDecodeParams p, const DecodeWorkspace ws, const __grid_constant__ KvTma tma) {
+  // The combine kernel after this one may be dispatched now; it waits for
+  // this grid to complete before reading anything (csrc/common/pdl.h).
+  pdl_allow_dependents();
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using namespace cute;
   using T = typename Tr::QType;
