@@ -582,6 +582,8 @@ def table(meta, rows):
   lines = []
   lines.append(f"== mla_jax paged MLA decode | {meta['device']} | jax {meta['jax_version']} | "
                f"commit {meta['commit'][:12]} (source {meta.get('source_digest', '-')[:12]}) | {meta['date']}")
+  if meta.get("env"):
+    lines.append("env: " + " ".join(f"{k}={v}" for k, v in meta["env"].items()))
   lines.append(f"backend {meta['backend_requested']} -> {meta['backend_resolved']}; "
                f"ceilings{'' if ceil['measured'] else ' (partly nominal)'}: copy "
                f"{ceil['bw_Bps'] / 1e12:.3g} TB/s (r+w), bf16 mm {ceil['mm_flops'] / 1e12:.3g} TFLOP/s")
@@ -659,6 +661,16 @@ def source_digest(root=REPO):
     h.update(f"{f.relative_to(root).as_posix()}\0{len(data)}\0".encode())
     h.update(data)
   return h.hexdigest()
+
+
+def mla_jax_env(environ=None):
+  """The MLA_JAX_* environment switches set for this run (name -> value), sorted.
+
+  They change which kernels run (e.g. MLA_JAX_PDL, MLA_JAX_SCHEDULER_KERNEL), so a
+  result is only comparable with one run under the same switches.
+  """
+  environ = os.environ if environ is None else environ
+  return {k: environ[k] for k in sorted(environ) if k.startswith("MLA_JAX_") and environ[k] != ""}
 
 
 def git_commit(arg):
@@ -776,7 +788,8 @@ def main(argv=None):
   meta = dict(
       device=f"{dev.device_kind} ({platform})", platform=platform,
       date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-      commit=commit, dirty=dirty, source_digest=source_digest(), jax_version=jax.__version__, jaxlib_version=jaxlib.__version__,
+      commit=commit, dirty=dirty, source_digest=source_digest(), env=mla_jax_env(),
+      jax_version=jax.__version__, jaxlib_version=jaxlib.__version__,
       python=sys.version.split()[0], mla_jax_version=mla_jax.__version__,
       mla_jax_file=mla_jax.__file__, has_cuda_kernels=_ffi.has_cuda_kernels(),
       cuda_archs=_ffi.cuda_archs(), backend_requested=args.backend, backend_resolved=resolved,

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_paged_decode import (chain_program, compile_prog, git_commit, source_digest,  # noqa: E402
+from bench_paged_decode import (chain_program, compile_prog, git_commit, mla_jax_env, source_digest,  # noqa: E402
                                 time_slope, write_json)
 
 PAGE_SIZE = 64
@@ -100,7 +100,7 @@ def main(argv=None):
   commit, dirty = git_commit(args.commit)
   meta = dict(benchmark="sparse_decode fp8_ds_mla", device=dev.device_kind, platform=dev.platform,
               date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              commit=commit, dirty=dirty, source_digest=source_digest(), jax=jax.__version__,
+              commit=commit, dirty=dirty, source_digest=source_digest(), env=mla_jax_env(), jax=jax.__version__,
               backend=args.backend,
               method="median slope of chained jitted calls (bench_paged_decode.py), rotating caches",
               flops="2*B*q_len*K*H*(576+512)")

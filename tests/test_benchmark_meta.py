@@ -49,3 +49,10 @@ def test_source_digest_follows_sources_not_build_outputs(bench, tmp_path):
 
 def test_source_digest_of_this_tree(bench):
   assert re.fullmatch(r"[0-9a-f]{64}", bench.source_digest())
+
+
+def test_env_records_only_set_mla_jax_switches(bench):
+  environ = {"MLA_JAX_PDL": "1", "MLA_JAX_COMBINE_GRID": "", "XLA_FLAGS": "--x", "MLA_JAX_BACKEND": "cuda"}
+  assert bench.mla_jax_env(environ) == {"MLA_JAX_BACKEND": "cuda", "MLA_JAX_PDL": "1"}
+  assert list(bench.mla_jax_env(environ)) == ["MLA_JAX_BACKEND", "MLA_JAX_PDL"]
+  assert bench.mla_jax_env({}) == {}
