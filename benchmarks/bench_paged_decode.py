@@ -629,6 +629,11 @@ def table(meta, rows):
   lines.append("* varlen: FMLA us scaled by our sum_seq / anchor sum_seq (lengths drawn "
                "differently). FlashInfer MLA: " + FLASHINFER_NOTE + ".")
   for r in rows:
+    for what in ("mla", "xla"):
+      w = r.get(what, {}).get("warning")
+      if w:
+        lines.append(f"(warn) {r['name']} {what}: {w[:160]}")
+  for r in rows:
     for what, e in (("row", r.get("error")), ("mla", r.get("mla", {}).get("error")),
                     ("xla", r.get("xla", {}).get("error"))):
       if e:

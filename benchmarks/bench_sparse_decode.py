@@ -117,14 +117,19 @@ def main(argv=None):
   if args.out:
     write_json(Path(args.out), meta, rows, True)
   print(f"== sparse_decode fp8_ds_mla | {dev.device_kind} | jax {jax.__version__} | commit {commit}")
+  if not args.anchors or not (Path(args.anchors) / "flashmla_h200.json").exists():
+    print(f"note: no FlashMLA anchors ({'--anchors not given' if not args.anchors else 'no flashmla_h200.json in ' + args.anchors}); "
+          "FMLA columns are '-'")
   print(f"{'B':>4} {'q':>2} {'H':>4} {'K':>5} {'us':>9} {'TF/s':>6} {'FMLA us':>8} {'us/FM':>6} {'relerr':>8}")
   for r in rows:
     if "error" in r:
       print(f"{r['b']:>4} {r['s_q']:>2} {r['h']:>4} {r['topk']:>5}  ERROR {r['error']}")
       continue
     fm = r["flashmla_us"]
+    fm_cell = f"{fm:.1f}" if fm else "-"  # "-": no anchor for this row (or no --anchors)
+    ratio_cell = f"{r['us'] / fm:.2f}" if fm else "-"
     print(f"{r['b']:>4} {r['s_q']:>2} {r['h']:>4} {r['topk']:>5} {r['us']:9.1f} {r['tflops']:6.0f} "
-          f"{fm if fm else float('nan'):8.1f} {r['us'] / fm if fm else float('nan'):6.2f} "
+          f"{fm_cell:>8} {ratio_cell:>6} "
           f"{r['relerr']:8.1e} {'ok' if r['ok'] else 'FAIL'}")
   return 0 if all(r.get("ok") for r in rows) else 1
 
