@@ -450,6 +450,69 @@ def test_whole_request_schedule_when_balanced(heads, q_len, per_part):
   np.testing.assert_array_equal(results[0][1], results[1][1])
 
 
+def _snake_case_lengths(rng, parts):
+  """2 * parts request lengths whose loads (64-token blocks + 2) pair up to a
+  constant: dealt largest first in snake order every partition gets exactly
+  the equal share, while placed in request order (each in the partition of
+  its first block) they are far off it. Also returns both placements'
+  busiest partition over the share, from the arithmetic of
+  csrc/sm80/schedule_math.cuh."""
+  d = rng.choice([0, 4, 8, 12], size=parts)
+  blocks = rng.permutation(np.concatenate([16 + d, 16 - d]))
+  lens = (64 * blocks - rng.integers(0, 64, size=blocks.size)).astype(np.int32)
+  load = blocks + 2
+  work = int(load.sum())
+  assert min(-(-work // 3), parts) == parts  # the schedulers use all `parts` partitions
+  share = -(-work // parts)
+  first_block = np.cumsum(load) - load + 2
+  in_order = np.bincount(np.minimum(first_block * parts // work, parts - 1), weights=load, minlength=parts)
+  snake = np.zeros(parts)
+  for rank, b in enumerate(np.argsort(-load, kind="stable")):
+    rnd, pos = divmod(rank, parts)
+    snake[pos if rnd % 2 == 0 else parts - 1 - pos] += load[b]
+  return lens, in_order.max() / share, snake.max() / share
+
+
+@pytest.mark.parametrize("heads", [128, 16])
+def test_snake_whole_request_schedule_for_varied_lengths(kernel_choice, heads):
+  # Requests of varied lengths, two per partition: whole requests in the
+  # partition of their first block leave the busiest partition well over
+  # the 5 % slack, so the schedulers would cut; sorted by load and dealt in
+  # snake order they fit it exactly, so the block schedule (more than 32
+  # requests: the scheduler kernel, or every seesaw CTA) cuts none
+  # (csrc/sm80/schedule_math.cuh). The result must then equal the
+  # max_num_splits=1 schedule (every request whole) bit for bit; a cut
+  # request goes through float32 partials and the combine instead.
+  from mla_jax._scratch import cuda_num_parts
+  parts = cuda_num_parts(heads)
+  rng = np.random.default_rng(53 + heads)
+  lens, in_order, snake = _snake_case_lengths(rng, parts)
+  assert in_order > 1.05 and snake <= 1.05, (in_order, snake)
+  d = random_paged_inputs(rng, lens, num_heads=heads, page_size=64)
+  results = []
+  for max_num_splits in (None, 1):
+    plan = mla_jax.DecodePlan(num_heads=heads, page_size=64, sm_scale=SM_SCALE, backend="cuda",
+                              max_num_splits=max_num_splits)
+    results.append(_run(d, plan, jnp.bfloat16))
+  _check(*results[0])
+  np.testing.assert_array_equal(results[0][0], results[1][0])
+  np.testing.assert_array_equal(results[0][1], results[1][1])
+
+
+def test_snake_schedule_in_decode_matches_scheduler_kernel_bitwise(monkeypatch):
+  # The snake placement computed in every seesaw CTA against the scheduler
+  # kernel's: the same items, so the same bits.
+  for name in ("MLA_JAX_PORTABLE_KERNEL", "MLA_JAX_SM90_LOCKSTEP"):
+    monkeypatch.delenv(name, raising=False)
+  from mla_jax._scratch import cuda_num_parts
+  rng = np.random.default_rng(59)
+  lens, in_order, snake = _snake_case_lengths(rng, cuda_num_parts(128))
+  assert in_order > 1.05 and snake <= 1.05, (in_order, snake)
+  d = random_paged_inputs(rng, lens, num_heads=128, page_size=64)
+  plan = mla_jax.DecodePlan(num_heads=128, page_size=64, sm_scale=SM_SCALE, backend="cuda")
+  _check_same_bits_with_scheduler_kernel(monkeypatch, d, plan)
+
+
 @pytest.mark.parametrize("heads,k,seq_len", [(128, 3, 3072), (64, 4, 2560)])
 def test_equal_pieces_schedule_when_requests_are_few(monkeypatch, heads, k, seq_len):
   # k partitions per request and equal lengths: every request is cut into k
