@@ -63,7 +63,8 @@ struct BlockScheduleSmem {
 // their global numbers as (request, block begin, block end, the request's
 // item count), their range in sm.part_first_item / part_num_items, and
 // ws.request_meta when write_meta. A partition's items are consecutive
-// numbers (items go request by request, partitions never decrease).
+// numbers (items go request by request with partitions never decreasing,
+// or, in snake order, partition by partition).
 // Called by all kScheduleThreads threads of the block.
 __device__ __forceinline__ void schedule_block(const PagedDecodeParams& p, const DecodeWorkspace& ws,
                                                BlockScheduleSmem& sm, int only_part, int32_t* part_items,
@@ -140,28 +141,36 @@ __device__ __forceinline__ void schedule_block(const PagedDecodeParams& p, const
       requests[i] = b;
       largest = max(largest, static_cast<int64_t>(keys[i]));
     }
-    // Sort only the bits a load can have: a few radix passes, not eight
-    // (every seesaw CTA sorts before its first load).
+    // A request larger than the slack allows rules the placement out
+    // without sorting (0 bits); else sort only the bits a load can have: a
+    // few radix passes, not eight (every seesaw CTA sorts before its first
+    // load).
     largest = Reduce(sm.tmp.reduce).Reduce(largest, cuda::maximum<>{});
-    if (tid == 0) sm.sort_bits = 32 - __clz(static_cast<unsigned>(largest));
+    if (tid == 0) {
+      sm.sort_bits = within_share(largest, work, parts, kWholeRequestSlackPct)
+                         ? 32 - __clz(static_cast<unsigned>(largest)) : 0;
+      sm.snake = 0;
+    }
     __syncthreads();
-    BlockScheduleSmem::RadixSort(sm.tmp.sort).SortDescending(keys, requests, 0, sm.sort_bits);
+    if (sm.sort_bits > 0) {
+      BlockScheduleSmem::RadixSort(sm.tmp.sort).SortDescending(keys, requests, 0, sm.sort_bits);
 #pragma unroll
-    for (int i = 0; i < kSnakeItemsPerThread; ++i) {
-      if (requests[i] < batch) sm.rank_of[requests[i]] = tid * kSnakeItemsPerThread + i;
+      for (int i = 0; i < kSnakeItemsPerThread; ++i) {
+        if (requests[i] < batch) sm.rank_of[requests[i]] = tid * kSnakeItemsPerThread + i;
+      }
+      for (int q = tid; q < parts; q += kThreads) sm.part_load[q] = 0;
+      __syncthreads();
+      for (int b = tid; b < batch; b += kThreads) {
+        const int q = snake_slot(sm.rank_of[b], batch, parts).part;
+        atomicAdd(&sm.part_load[q], static_cast<unsigned long long>(num_blocks_of(p, ws, b) + kSplitOverhead));
+      }
+      __syncthreads();
+      int64_t busiest = 0;
+      for (int q = tid; q < parts; q += kThreads) busiest = max(busiest, static_cast<int64_t>(sm.part_load[q]));
+      busiest = Reduce(sm.tmp.reduce).Reduce(busiest, cuda::maximum<>{});
+      if (tid == 0) sm.snake = within_share(busiest, work, parts, kWholeRequestSlackPct);
+      __syncthreads();
     }
-    for (int q = tid; q < parts; q += kThreads) sm.part_load[q] = 0;
-    __syncthreads();
-    for (int b = tid; b < batch; b += kThreads) {
-      const int q = snake_slot(sm.rank_of[b], batch, parts).part;
-      atomicAdd(&sm.part_load[q], static_cast<unsigned long long>(num_blocks_of(p, ws, b) + kSplitOverhead));
-    }
-    __syncthreads();
-    int64_t busiest = 0;
-    for (int q = tid; q < parts; q += kThreads) busiest = max(busiest, static_cast<int64_t>(sm.part_load[q]));
-    busiest = Reduce(sm.tmp.reduce).Reduce(busiest, cuda::maximum<>{});
-    if (tid == 0) sm.snake = within_share(busiest, work, parts, kWholeRequestSlackPct);
-    __syncthreads();
     snake = sm.snake;
     if (snake) max_splits = 1;
   }
