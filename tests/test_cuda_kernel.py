@@ -450,6 +450,94 @@ def test_whole_request_schedule_when_balanced(heads, q_len, per_part):
   np.testing.assert_array_equal(results[0][1], results[1][1])
 
 
+def _snake_case_lengths(rng, parts, layout):
+  """Request lengths on which the snake placement is even while the
+  first-block placement is not, and both placements' busiest partition over
+  the equal share (the arithmetic of csrc/sm80/schedule_math.cuh: loads are
+  64-token blocks + 2, partitions_for, part_of, within_share).
+
+  2 * parts requests whose loads pair up to a constant (two full snake
+  rounds: every partition gets exactly the share); "2p-2" drops the two
+  smallest (one full round, then a partial one running backward); "3p-2"
+  adds parts - 2 one-block requests, one of them empty (a partial third
+  round running forward, and an empty request placed whole)."""
+  d = rng.choice([0, 2, 4, 6], size=parts)
+  blocks = np.sort(np.concatenate([8 + d, 8 - d]))
+  if layout == "2p-2":
+    blocks = blocks[2:]
+  elif layout == "3p-2":
+    blocks = np.concatenate([blocks, np.ones(parts - 2, blocks.dtype)])
+  blocks = rng.permutation(blocks)
+  lens = (64 * blocks - rng.integers(0, 64, size=blocks.size)).astype(np.int32)
+  if layout == "3p-2":
+    lens[np.flatnonzero(blocks == 1)[0]] = 0
+  n = -(-lens.astype(np.int64) // 64)
+  load = n + 2
+  work = int(load.sum())
+  assert min(-(-work // 3), parts) == parts  # the schedulers use all `parts` partitions
+  share = -(-work // parts)
+  start = np.cumsum(load) - load  # a request's place on the work line
+  first_block = np.where(n > 0, start + 2, start)  # (an empty request: its own place)
+  in_order = np.bincount(np.minimum(first_block * parts // work, parts - 1), weights=load, minlength=parts)
+  snake = np.zeros(parts)
+  for rank, b in enumerate(np.argsort(-load, kind="stable")):
+    rnd, pos = divmod(rank, parts)
+    snake[pos if rnd % 2 == 0 else parts - 1 - pos] += load[b]
+  return lens, in_order.max() / share, snake.max() / share
+
+
+def _snake_parts_or_skip(heads, layout):
+  # The block schedule tries the snake for 33 to 1024 requests (below that
+  # the inline schedule, which has no sort, takes the batch).
+  from mla_jax._scratch import cuda_num_parts
+  parts = cuda_num_parts(heads)
+  batch = {"2p": 2 * parts, "2p-2": 2 * parts - 2, "3p-2": 3 * parts - 2}[layout]
+  if not 32 < batch <= 1024:
+    pytest.skip(f"{batch} requests for {parts} partitions: outside the snake's 33-1024")
+  return parts
+
+
+@pytest.mark.parametrize("heads,layout", [(128, "2p"), (16, "2p"), (128, "2p-2"), (64, "3p-2")])
+def test_snake_whole_request_schedule_for_varied_lengths(kernel_choice, heads, layout):
+  # Requests of varied lengths, about two per partition: whole requests in
+  # the partition of their first block leave the busiest partition well
+  # over the 5 % slack, so the schedulers would cut; sorted by load and
+  # dealt in snake order they fit it, so the block schedule (the scheduler
+  # kernel, or every seesaw CTA) cuts none (csrc/sm80/schedule_math.cuh).
+  # The result must then equal the max_num_splits=1 schedule (every request
+  # whole) bit for bit; a cut request goes through float32 partials and the
+  # combine instead.
+  parts = _snake_parts_or_skip(heads, layout)
+  rng = np.random.default_rng(53 + heads + len(layout))
+  lens, in_order, snake = _snake_case_lengths(rng, parts, layout)
+  assert in_order > 1.05 and snake <= 1.05, (in_order, snake)
+  d = random_paged_inputs(rng, lens, num_heads=heads, page_size=64)
+  results = []
+  for max_num_splits in (None, 1):
+    plan = mla_jax.DecodePlan(num_heads=heads, page_size=64, sm_scale=SM_SCALE, backend="cuda",
+                              max_num_splits=max_num_splits)
+    results.append(_run(d, plan, jnp.bfloat16))
+  _check(*results[0])
+  np.testing.assert_array_equal(results[0][0], results[1][0])
+  np.testing.assert_array_equal(results[0][1], results[1][1])
+
+
+@pytest.mark.parametrize("layout", ["2p", "3p-2"])
+def test_snake_schedule_in_decode_matches_scheduler_kernel_bitwise(monkeypatch, layout):
+  # The snake placement computed in every seesaw CTA against the scheduler
+  # kernel's: the same items, so the same bits (and both equal to every
+  # request whole, which the test above checks per kernel).
+  for name in ("MLA_JAX_PORTABLE_KERNEL", "MLA_JAX_SM90_LOCKSTEP"):
+    monkeypatch.delenv(name, raising=False)
+  parts = _snake_parts_or_skip(128, layout)
+  rng = np.random.default_rng(59 + len(layout))
+  lens, in_order, snake = _snake_case_lengths(rng, parts, layout)
+  assert in_order > 1.05 and snake <= 1.05, (in_order, snake)
+  d = random_paged_inputs(rng, lens, num_heads=128, page_size=64)
+  plan = mla_jax.DecodePlan(num_heads=128, page_size=64, sm_scale=SM_SCALE, backend="cuda")
+  _check_same_bits_with_scheduler_kernel(monkeypatch, d, plan)
+
+
 @pytest.mark.parametrize("heads,k,seq_len", [(128, 3, 3072), (64, 4, 2560)])
 def test_equal_pieces_schedule_when_requests_are_few(monkeypatch, heads, k, seq_len):
   # k partitions per request and equal lengths: every request is cut into k

@@ -11,11 +11,13 @@
 
 #include <climits>
 
+#include <cub/block/block_radix_sort.cuh>
 #include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
 #include <cuda/functional>
 
 #include "csrc/sm80/api.h"
+#include "csrc/sm80/schedule_inline.cuh"
 #include "csrc/sm80/schedule_math.cuh"
 
 namespace mla_jax {
@@ -23,18 +25,24 @@ namespace sm80 {
 
 constexpr int kScheduleThreads = 256;
 constexpr int kMaxWholeParts = 1024;  // partitions the whole-request check can count
+constexpr int kSnakeItemsPerThread = 4;
+constexpr int kSnakeMaxBatch = kScheduleThreads * kSnakeItemsPerThread;  // requests the snake can sort
 
-// Shared memory of one schedule (about 18 KB). The decode kernel places it
+// Shared memory of one schedule (about 35 KB). The decode kernel places it
 // in a KV stage, which no load has touched yet.
 struct BlockScheduleSmem {
   using Reduce = cub::BlockReduce<int64_t, kScheduleThreads>;
   using Scan = cub::BlockScan<longlong2, kScheduleThreads>;
+  using RadixSort = cub::BlockRadixSort<unsigned, kScheduleThreads, kSnakeItemsPerThread, int>;
   union {
     typename Reduce::TempStorage reduce;
     typename Scan::TempStorage scan;
+    typename RadixSort::TempStorage sort;
   } tmp;
   int64_t total;
   int max_splits;
+  int snake;      // whole requests in snake order (schedule_math.cuh)
+  int sort_bits;  // significant bits of the largest load (the sort's passes)
   longlong2 carry;  // (items, work) before the current chunk
   // The current chunk's requests: first item (chunk-relative; entry
   // kScheduleThreads = the chunk's item count) and cut. Items are then
@@ -44,9 +52,95 @@ struct BlockScheduleSmem {
   int item_first[kScheduleThreads + 1];
   RequestCut cut[kScheduleThreads];
   unsigned long long part_load[kMaxWholeParts];  // whole-request load per partition
+  int rank_of[kSnakeMaxBatch];                   // snake: each request's place by load
+  int blocks_of[kSnakeMaxBatch];                 // snake: each request's blocks
   int part_first_item;  // one-partition mode: the partition's first item (INT_MAX: none yet)
   int part_num_items;   // one-partition mode: its item count
 };
+
+// The snake placement's check and its items (schedule_math.cuh), kept out
+// of line: they run for varied lengths only, and inlined into the seesaw
+// kernel they cost equal-length calls about 3 us through the kernel's code
+// (main-loop code generation), though they never ran there (NOTES v12).
+// Called by all kScheduleThreads threads of the block; returns whether the
+// snake placement's busiest partition is within the slack (sm.rank_of then
+// holds each request's place by load).
+static __device__ __noinline__ bool snake_placement_fits(BlockScheduleSmem& sm, int64_t work, int batch, int parts) {
+  using Reduce = BlockScheduleSmem::Reduce;
+  constexpr int kThreads = kScheduleThreads;
+  const int tid = threadIdx.x;
+  // Blocked arrangement in request order; padding (key 0, below any
+  // request's load of at least kSplitOverhead) sorts last. The radix
+  // passes are stable, so equal loads keep request order; either way the
+  // order is deterministic and the same in every CTA.
+  unsigned keys[kSnakeItemsPerThread];
+  int requests[kSnakeItemsPerThread];
+  int64_t largest = 0;
+#pragma unroll
+  for (int i = 0; i < kSnakeItemsPerThread; ++i) {
+    const int b = tid * kSnakeItemsPerThread + i;
+    keys[i] = b < batch ? static_cast<unsigned>(sm.blocks_of[b] + kSplitOverhead) : 0u;
+    requests[i] = b;
+    largest = max(largest, static_cast<int64_t>(keys[i]));
+  }
+  // A request larger than the slack allows rules the placement out
+  // without sorting (0 bits); else sort only the bits a load can have: a
+  // few radix passes, not eight (every seesaw CTA sorts before its first
+  // load).
+  largest = Reduce(sm.tmp.reduce).Reduce(largest, cuda::maximum<>{});
+  if (tid == 0) {
+    sm.sort_bits = within_share(largest, work, parts, kWholeRequestSlackPct)
+                       ? 32 - __clz(static_cast<unsigned>(largest)) : 0;
+    sm.snake = 0;
+  }
+  __syncthreads();
+  if (sm.sort_bits > 0) {
+    BlockScheduleSmem::RadixSort(sm.tmp.sort).SortDescending(keys, requests, 0, sm.sort_bits);
+#pragma unroll
+    for (int i = 0; i < kSnakeItemsPerThread; ++i) {
+      if (requests[i] < batch) sm.rank_of[requests[i]] = tid * kSnakeItemsPerThread + i;
+    }
+    for (int q = tid; q < parts; q += kThreads) sm.part_load[q] = 0;
+    __syncthreads();
+    for (int b = tid; b < batch; b += kThreads) {
+      const int q = snake_slot(sm.rank_of[b], batch, parts).part;
+      atomicAdd(&sm.part_load[q], static_cast<unsigned long long>(sm.blocks_of[b] + kSplitOverhead));
+    }
+    __syncthreads();
+    int64_t busiest = 0;
+    for (int q = tid; q < parts; q += kThreads) busiest = max(busiest, static_cast<int64_t>(sm.part_load[q]));
+    busiest = Reduce(sm.tmp.reduce).Reduce(busiest, cuda::maximum<>{});
+    if (tid == 0) sm.snake = within_share(busiest, work, parts, kWholeRequestSlackPct);
+    __syncthreads();
+  }
+  return sm.snake;
+}
+
+// Writes one item per request in snake order (see schedule_block for
+// only_part and part_items; request_meta nullptr: not written).
+static __device__ __noinline__ void write_snake_items(BlockScheduleSmem& sm, int64_t work, int batch, int parts,
+                                                      int32_t* items, int32_t* request_meta, int only_part,
+                                                      int32_t* part_items) {
+  constexpr int kThreads = kScheduleThreads;
+  const int tid = threadIdx.x;
+  for (int b = tid; b < batch; b += kThreads) {
+    const SnakeSlot slot = snake_slot(sm.rank_of[b], batch, parts);
+    const int n = sm.blocks_of[b];
+    if (request_meta != nullptr) {
+      request_meta[2 * b] = slot.number;
+      request_meta[2 * b + 1] = 1;
+    }
+    if (only_part < 0) {
+      reinterpret_cast<int4*>(items)[slot.number] = make_int4(b, 0, n, slot.part);
+    } else if (slot.part == only_part) {
+      reinterpret_cast<int4*>(part_items)[slot.number] = make_int4(b, 0, n, 1);
+      atomicMin(&sm.part_first_item, slot.number);
+      atomicAdd(&sm.part_num_items, 1);
+    }
+  }
+  if (tid == 0) sm.carry = make_longlong2(batch, work);
+  __syncthreads();
+}
 
 // only_part < 0: every item into ws.items as (request, block begin, block
 // end, partition), ws.part_begin and ws.request_meta (the scheduler
@@ -54,7 +148,8 @@ struct BlockScheduleSmem {
 // their global numbers as (request, block begin, block end, the request's
 // item count), their range in sm.part_first_item / part_num_items, and
 // ws.request_meta when write_meta. A partition's items are consecutive
-// numbers (items go request by request, partitions never decrease).
+// numbers (items go request by request with partitions never decreasing,
+// or, in snake order, partition by partition).
 // Called by all kScheduleThreads threads of the block.
 __device__ __forceinline__ void schedule_block(const PagedDecodeParams& p, const DecodeWorkspace& ws,
                                                BlockScheduleSmem& sm, int only_part, int32_t* part_items,
@@ -110,6 +205,18 @@ __device__ __forceinline__ void schedule_block(const PagedDecodeParams& p, const
     __syncthreads();
     max_splits = sm.max_splits;
   }
+  // 2b. Else whole requests in snake order by load, if that placement's
+  //     busiest partition is within the same slack. Not for batches the
+  //     inline schedule takes (schedule_inline.cuh has no sort), so both
+  //     schedules still agree for every batch.
+  bool snake = false;
+  if (max_splits != 1 && batch > kInlineScheduleMaxBatch && batch <= kSnakeMaxBatch && parts <= kMaxWholeParts &&
+      whole_requests_may_fit(work, batch, parts)) {
+    for (int b = tid; b < batch; b += kThreads) sm.blocks_of[b] = num_blocks_of(p, ws, b);
+    __syncthreads();
+    snake = snake_placement_fits(sm, work, batch, parts);
+    if (snake) max_splits = 1;
+  }
   // Else equal pieces, where each request has two or more partitions and
   // its largest piece is close to the share.
   int stride = max_splits == 1 ? 0 : equal_piece_stride(batch, parts, ws.max_num_splits);
@@ -123,10 +230,13 @@ __device__ __forceinline__ void schedule_block(const PagedDecodeParams& p, const
     stride = sm.max_splits;
   }
 
+  // 3 (snake). One item per request, numbered partition by partition.
+  if (snake) write_snake_items(sm, work, batch, parts, ws.items, write_meta ? ws.request_meta : nullptr, only_part, part_items);
+
   // 3. Per chunk of requests: place each on the line (scan), find the
   //    partitions its blocks fall in (or its equal pieces') and its item
   //    offsets (second scan), then write the chunk's items, one per thread.
-  for (int base = 0; base < batch; base += kThreads) {
+  for (int base = 0; base < (snake ? 0 : batch); base += kThreads) {
     const int b = base + tid;
     int n = 0;
     longlong2 before = make_longlong2(0, 0), chunk_total;
