@@ -1,12 +1,15 @@
 // Programmatic dependent launch (sm_90 and later) from the decode kernel to
 // the combine kernel that always follows it. The combine is launched with
 // programmatic stream serialisation, so its CTAs may be dispatched once
-// every decode CTA has called pdl_allow_dependents() (done at their start)
-// or exited; its first statement, pdl_wait_for_previous(), returns only
-// when the decode grid has completed and its writes are visible. So only
-// the launch latency and the CTA dispatch overlap the decode, never data.
-// Off unless MLA_JAX_PDL=1: measured on the H200 (benchmarks/NOTES.md v11)
-// it saved up to 2.8 us on some shapes and cost up to 5 us on others.
+// every decode CTA has called pdl_allow_dependents() (the portable and
+// lock-step kernels at their start, the seesaw kernel when a CTA starts its
+// last item) or exited; its first statement, pdl_wait_for_previous(),
+// returns only when the decode grid has completed and its writes are
+// visible. So only the launch latency and the CTA dispatch overlap the
+// decode, never data. Off unless MLA_JAX_PDL=1: measured on the H200
+// (benchmarks/NOTES.md v11, v12) it saves up to 8 us where CTAs run
+// several items (128 requests) and costs 1-3 us on a few requests at 12
+// heads.
 #pragma once
 
 #include <cuda_runtime.h>

@@ -59,9 +59,11 @@ struct BlockScheduleSmem {
 };
 
 // The snake placement's check and its items (schedule_math.cuh), kept out
-// of line: they run for varied lengths only, and inlined into the seesaw
-// kernel they cost equal-length calls about 3 us through the kernel's code
-// (main-loop code generation), though they never ran there (NOTES v12).
+// of line: they run for varied lengths only, yet inlined into the seesaw
+// kernel they made equal-length calls, which never reach them, 2-5 us
+// slower in traces (code generation of the whole kernel); out of line,
+// 0.5-4.5 us (NOTES v12). Loads come through shared memory so that no
+// parameter struct is copied to the stack for the call.
 // Called by all kScheduleThreads threads of the block; returns whether the
 // snake placement's busiest partition is within the slack (sm.rank_of then
 // holds each request's place by load).
