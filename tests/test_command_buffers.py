@@ -276,7 +276,7 @@ def test_decode_loop_in_command_buffers_with_programmatic_combine(reference, tmp
   # must be those of the plain launch, bit for bit.
   (tmp_path / "plain").mkdir()
   (tmp_path / "pdl").mkdir()
-  monkeypatch.delenv("MLA_JAX_PDL", raising=False)
+  monkeypatch.setenv("MLA_JAX_PDL", "0")
   _, plain = _run_mode("on", tmp_path / "plain")
   monkeypatch.setenv("MLA_JAX_PDL", "1")  # the child process inherits it
   info, res = _run_mode("on", tmp_path / "pdl")

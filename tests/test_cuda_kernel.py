@@ -319,25 +319,30 @@ def test_combine_grids(monkeypatch, heads, q_len):
 def test_programmatic_combine_launch_matches_plain_bitwise(monkeypatch, lens, heads, kernel_env):
   # MLA_JAX_PDL=1 lets the combine's CTAs be dispatched while the decode
   # kernel runs (csrc/common/pdl.h); they wait for it before reading, so the
-  # bits must be those of the plain launch. On 132 SMs the shapes reach the
-  # block (128 pairs, one request), slice (60 pairs) and row (1920 pairs)
-  # grids of the combine; kernel_env adds the scheduler-kernel and portable
-  # decode paths.
+  # bits must be those of the plain launch (MLA_JAX_PDL=0), and so must the
+  # default's (unset: on after the seesaw kernel above 32 requests, as for
+  # the 60 requests here). On 132 SMs the shapes reach the block (128 pairs,
+  # one request), slice (60 pairs) and row (1920 pairs) grids of the
+  # combine; kernel_env adds the scheduler-kernel and portable decode paths.
   if kernel_env:
     monkeypatch.setenv(kernel_env, "1")
   rng = np.random.default_rng(43 + heads)
   d = random_paged_inputs(rng, lens, num_heads=heads, page_size=64)
   plan = mla_jax.DecodePlan(num_heads=heads, page_size=64, sm_scale=SM_SCALE, backend="cuda")
-  monkeypatch.delenv("MLA_JAX_PDL", raising=False)
+  monkeypatch.setenv("MLA_JAX_PDL", "0")
   jax.clear_caches()
   plain = _run(d, plan, jnp.bfloat16)
   _check(*plain)
-  monkeypatch.setenv("MLA_JAX_PDL", "1")
-  jax.clear_caches()
-  for _ in range(3):
-    pdl = _run(d, plan, jnp.bfloat16)
-    np.testing.assert_array_equal(pdl[0], plain[0])
-    np.testing.assert_array_equal(pdl[1], plain[1])
+  for value in ("1", None):
+    if value is None:
+      monkeypatch.delenv("MLA_JAX_PDL")
+    else:
+      monkeypatch.setenv("MLA_JAX_PDL", value)
+    jax.clear_caches()
+    for _ in range(3):
+      pdl = _run(d, plan, jnp.bfloat16)
+      np.testing.assert_array_equal(pdl[0], plain[0], err_msg=f"MLA_JAX_PDL={value}")
+      np.testing.assert_array_equal(pdl[1], plain[1], err_msg=f"MLA_JAX_PDL={value}")
 
 
 def test_unknown_combine_grid_is_an_error(monkeypatch):

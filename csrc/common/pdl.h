@@ -6,13 +6,16 @@
 // last item) or exited; its first statement, pdl_wait_for_previous(),
 // returns only when the decode grid has completed and its writes are
 // visible. So only the launch latency and the CTA dispatch overlap the
-// decode, never data. Off unless MLA_JAX_PDL=1: measured on the H200
-// (benchmarks/NOTES.md v11, v12) it saves up to 8 us where CTAs run
-// several items (128 requests) and costs 1-3 us on a few requests at 12
-// heads.
+// decode, never data. By default on only after the seesaw kernel with more
+// than kInlineScheduleMaxBatch requests, where CTAs run several items:
+// measured on the H200 (benchmarks/NOTES.md v11, v12) it saved up to 8 us
+// there and cost 1-3 us on a few requests at 12 heads. MLA_JAX_PDL=1 or 0
+// forces it on or off.
 #pragma once
 
 #include <cuda_runtime.h>
+
+#include <cstdlib>
 
 #include <utility>
 
@@ -33,12 +36,14 @@ __device__ __forceinline__ void pdl_allow_dependents() {
 #endif
 }
 
-// Whether the next launch may overlap the kernel before it: MLA_JAX_PDL set
-// and a device of compute capability 9.0 or later. Host queries only (no
-// stream work), so it is safe while XLA captures the call into a command
-// buffer, where the overlap becomes a programmatic graph edge.
-inline bool pdl_enabled() {
-  if (!env_flag("MLA_JAX_PDL")) return false;
+// Whether the next launch may overlap the kernel before it: MLA_JAX_PDL=1
+// (on), MLA_JAX_PDL=0 (off), unset or empty: `by_default`; and a device of
+// compute capability 9.0 or later. Host queries only (no stream work), so it
+// is safe while XLA captures the call into a command buffer, where the
+// overlap becomes a programmatic graph edge.
+inline bool pdl_enabled(bool by_default) {
+  const char* v = std::getenv("MLA_JAX_PDL");
+  if (!(v == nullptr || v[0] == '\0' ? by_default : env_flag("MLA_JAX_PDL"))) return false;
   int device = 0, major = 0;
   if (cudaGetDevice(&device) != cudaSuccess) return false;
   if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) return false;

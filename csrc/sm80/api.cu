@@ -25,7 +25,9 @@ cudaError_t paged_decode(const PagedDecodeParams& params, const DecodeWorkspace&
   // 4.5-5.8 us idle gap before the decode kernel seen in H200 traces of one
   // request stayed after this change: it is not that host work.)
   cudaError_t err = cudaSuccess;
+  bool programmatic_combine = false;
   if (sm90::selected(params)) {  // Hopper: the wgmma kernel for 64-row blocks
+    programmatic_combine = sm90::programmatic_combine_by_default(params);
     err = params.q_type == ElemType::kBF16 ? sm90::run_decode_bf16(params, ws, stream)
                                            : sm90::run_decode_fp16(params, ws, stream);
   } else if (params.kv_format == KvFormat::kFp8DsMla) {
@@ -38,7 +40,7 @@ cudaError_t paged_decode(const PagedDecodeParams& params, const DecodeWorkspace&
     }
   }
   if (err != cudaSuccess) return err;
-  return run_combine(params, ws, stream);
+  return run_combine(params, ws, stream, programmatic_combine);
 }
 
 cudaError_t sparse_decode(const PagedDecodeParams& params, const DecodeWorkspace& ws, cudaStream_t stream) {

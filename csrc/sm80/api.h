@@ -53,8 +53,10 @@ const char* check_supported(const PagedDecodeParams& params);
 
 cudaError_t run_scheduler(const PagedDecodeParams& params, const DecodeWorkspace& ws,
                           cudaStream_t stream);
-cudaError_t run_combine(const PagedDecodeParams& params, const DecodeWorkspace& ws,
-                        cudaStream_t stream);
+// programmatic_by_default: launch it with programmatic dependent launch
+// when MLA_JAX_PDL is unset (csrc/common/pdl.h).
+cudaError_t run_combine(const PagedDecodeParams& params, const DecodeWorkspace& ws, cudaStream_t stream,
+                        bool programmatic_by_default);
 
 // Decode kernels, one per (query dtype, cache dtype); see decode_*.cu. Each
 // launches the scheduler, then its kernel.

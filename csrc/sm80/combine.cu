@@ -257,8 +257,8 @@ __global__ void __launch_bounds__(kRowWarps * 32) combine_rows_kernel(PagedDecod
 
 }  // namespace
 
-cudaError_t run_combine(const PagedDecodeParams& params, const DecodeWorkspace& ws,
-                        cudaStream_t stream) {
+cudaError_t run_combine(const PagedDecodeParams& params, const DecodeWorkspace& ws, cudaStream_t stream,
+                        bool programmatic_by_default) {
   const int rows = params.rows_per_request();
   if (params.batch == 0 || rows == 0) return cudaSuccess;
   // dv is 512 here (checked by the caller): four kWarpColumns slices, the
@@ -277,7 +277,8 @@ cudaError_t run_combine(const PagedDecodeParams& params, const DecodeWorkspace& 
   if (env_is("MLA_JAX_COMBINE_GRID", "rows")) grid_kind = CombineGrid::kRows;
   if (env_is("MLA_JAX_COMBINE_GRID", "slices")) grid_kind = CombineGrid::kSlices;
   const int row_ctas = (rows + kRowWarps - 1) / kRowWarps;
-  const bool programmatic = pdl_enabled();  // the decode kernel is the previous launch
+  // The decode kernel is the previous launch.
+  const bool programmatic = pdl_enabled(programmatic_by_default);
   switch (grid_kind) {
     case CombineGrid::kBlock: {
       auto kernel = bf16 ? combine_kernel<__nv_bfloat16> : combine_kernel<__half>;

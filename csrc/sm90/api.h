@@ -21,6 +21,10 @@ namespace sm90 {
 // (that variable forces the portable kernel, e.g. for A/B benchmarks).
 bool selected(const PagedDecodeParams& params);
 
+// Whether the combine after this kernel is launched programmatically
+// (csrc/common/pdl.h) when MLA_JAX_PDL is unset; call after selected().
+bool programmatic_combine_by_default(const PagedDecodeParams& params);
+
 cudaError_t run_decode_bf16(const PagedDecodeParams& params, const sm80::DecodeWorkspace& ws,
                             cudaStream_t stream);
 cudaError_t run_decode_fp16(const PagedDecodeParams& params, const sm80::DecodeWorkspace& ws,
