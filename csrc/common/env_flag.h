@@ -22,6 +22,12 @@ inline bool env_flag(const char* name) {
   return v != nullptr && v[0] != '\0' && v[0] != '0';
 }
 
+// env_flag's answer when the variable is set and not empty, else `unset`.
+inline bool env_flag_or(const char* name, bool unset) {
+  const char* v = std::getenv(name);
+  return v == nullptr || v[0] == '\0' ? unset : v[0] != '0';
+}
+
 // Empty when the variable is unset, empty, or one of `choices`; otherwise a
 // message naming it, its value and the accepted values. A switch with a
 // fixed set of values is checked by the FFI handlers, so a typo in an A/B

@@ -15,8 +15,6 @@
 
 #include <cuda_runtime.h>
 
-#include <cstdlib>
-
 #include <utility>
 
 #include "csrc/common/env_flag.h"
@@ -42,8 +40,7 @@ __device__ __forceinline__ void pdl_allow_dependents() {
 // is safe while XLA captures the call into a command buffer, where the
 // overlap becomes a programmatic graph edge.
 inline bool pdl_enabled(bool by_default) {
-  const char* v = std::getenv("MLA_JAX_PDL");
-  if (!(v == nullptr || v[0] == '\0' ? by_default : env_flag("MLA_JAX_PDL"))) return false;
+  if (!env_flag_or("MLA_JAX_PDL", by_default)) return false;
   int device = 0, major = 0;
   if (cudaGetDevice(&device) != cudaSuccess) return false;
   if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) return false;

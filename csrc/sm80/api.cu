@@ -1,5 +1,6 @@
 // Host side of the portable decode: validation and the three launches.
 #include "csrc/sm80/api.h"
+#include "csrc/sm80/schedule_inline.cuh"
 #include "csrc/sm90/api.h"
 
 namespace mla_jax {
@@ -27,9 +28,17 @@ cudaError_t paged_decode(const PagedDecodeParams& params, const DecodeWorkspace&
   cudaError_t err = cudaSuccess;
   bool programmatic_combine = false;
   if (sm90::selected(params)) {  // Hopper: the wgmma kernel for 64-row blocks
-    programmatic_combine = sm90::programmatic_combine_by_default(params);
-    err = params.q_type == ElemType::kBF16 ? sm90::run_decode_bf16(params, ws, stream)
-                                           : sm90::run_decode_fp16(params, ws, stream);
+    sm90::DecodeKernel launched = sm90::DecodeKernel::kLockstep;
+    err = params.q_type == ElemType::kBF16 ? sm90::run_decode_bf16(params, ws, stream, &launched)
+                                           : sm90::run_decode_fp16(params, ws, stream, &launched);
+    // The seesaw kernel allows the combine's launch when each CTA starts
+    // its last item. Above 32 requests its CTAs run several items, so the
+    // combine's launch and CTA dispatch hide behind the decode's last
+    // items: 128 requests at 128 heads traced 3.6-7.4 us faster per call.
+    // With fewer requests a CTA usually runs one item and triggers at its
+    // start: 8 x 42k and one 76.8k request at 12 heads traced 1.2-1.9 us
+    // slower (benchmarks/NOTES.md v12). MLA_JAX_PDL overrides this.
+    programmatic_combine = launched == sm90::DecodeKernel::kSeesaw && params.batch > kInlineScheduleMaxBatch;
   } else if (params.kv_format == KvFormat::kFp8DsMla) {
     err = run_decode_ds_mla(params, ws, stream);
   } else {

@@ -5,9 +5,11 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <cstdlib>
+#include <cstring>
+
 #include <cub/block/block_reduce.cuh>
 
-#include "csrc/common/env_flag.h"
 #include "csrc/common/pdl.h"
 #include "csrc/sm80/api.h"
 
@@ -273,9 +275,11 @@ cudaError_t run_combine(const PagedDecodeParams& params, const DecodeWorkspace& 
   }
   // MLA_JAX_COMBINE_GRID=block|rows|slices overrides the choice (tests and
   // A/B runs; every grid gives the right answer for every shape).
-  if (env_is("MLA_JAX_COMBINE_GRID", "block")) grid_kind = CombineGrid::kBlock;
-  if (env_is("MLA_JAX_COMBINE_GRID", "rows")) grid_kind = CombineGrid::kRows;
-  if (env_is("MLA_JAX_COMBINE_GRID", "slices")) grid_kind = CombineGrid::kSlices;
+  if (const char* forced = std::getenv("MLA_JAX_COMBINE_GRID")) {
+    if (std::strcmp(forced, "block") == 0) grid_kind = CombineGrid::kBlock;
+    if (std::strcmp(forced, "rows") == 0) grid_kind = CombineGrid::kRows;
+    if (std::strcmp(forced, "slices") == 0) grid_kind = CombineGrid::kSlices;
+  }
   const int row_ctas = (rows + kRowWarps - 1) / kRowWarps;
   // The decode kernel is the previous launch.
   const bool programmatic = pdl_enabled(programmatic_by_default);

@@ -1,6 +1,5 @@
 // Host side of the Hopper decode: when to use it.
 #include "csrc/common/env_flag.h"
-#include "csrc/sm80/schedule_inline.cuh"
 #include "csrc/sm90/api.h"
 #include "csrc/sm90/kv_tma.h"
 
@@ -34,22 +33,6 @@ bool selected(const PagedDecodeParams& p) {
   if (cudaGetDevice(&device) != cudaSuccess) return false;
   if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) return false;
   return major == 9;
-#else
-  (void)p;
-  return false;
-#endif
-}
-
-bool programmatic_combine_by_default(const PagedDecodeParams& p) {
-#if defined(MLA_JAX_SM90A)
-  // The seesaw kernel (TMA-loadable caches, lock-step not forced) allows the
-  // combine's launch when each CTA starts its last item. Above 32 requests
-  // its CTAs run several items, so the combine's launch and CTA dispatch
-  // hide behind the decode's last items: 128 requests at 128 heads traced
-  // 3.6-7.4 us faster per call. With fewer requests a CTA usually runs one
-  // item and triggers at its start: 8 x 42k and one 76.8k request at 12
-  // heads traced 1.2-1.9 us slower (benchmarks/NOTES.md v12).
-  return p.batch > sm80::kInlineScheduleMaxBatch && kv_tma_applies(p) && !env_flag("MLA_JAX_SM90_LOCKSTEP");
 #else
   (void)p;
   return false;

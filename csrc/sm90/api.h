@@ -21,14 +21,14 @@ namespace sm90 {
 // (that variable forces the portable kernel, e.g. for A/B benchmarks).
 bool selected(const PagedDecodeParams& params);
 
-// Whether the combine after this kernel is launched programmatically
-// (csrc/common/pdl.h) when MLA_JAX_PDL is unset; call after selected().
-bool programmatic_combine_by_default(const PagedDecodeParams& params);
+// Which kernel a run_decode_* call launched; the combine after it picks
+// its launch from this (sm80::paged_decode).
+enum class DecodeKernel { kSeesaw, kLockstep };
 
 cudaError_t run_decode_bf16(const PagedDecodeParams& params, const sm80::DecodeWorkspace& ws,
-                            cudaStream_t stream);
+                            cudaStream_t stream, DecodeKernel* launched);
 cudaError_t run_decode_fp16(const PagedDecodeParams& params, const sm80::DecodeWorkspace& ws,
-                            cudaStream_t stream);
+                            cudaStream_t stream, DecodeKernel* launched);
 
 }  // namespace sm90
 }  // namespace mla_jax

@@ -5,8 +5,8 @@ namespace mla_jax {
 namespace sm90 {
 
 cudaError_t run_decode_bf16(const PagedDecodeParams& params, const sm80::DecodeWorkspace& ws,
-                            cudaStream_t stream) {
-  return launch_decode<DecodeTraits<__nv_bfloat16>>(params, ws, stream);
+                            cudaStream_t stream, DecodeKernel* launched) {
+  return launch_decode<DecodeTraits<__nv_bfloat16>>(params, ws, stream, launched);
 }
 
 }  // namespace sm90

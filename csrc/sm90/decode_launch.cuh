@@ -4,6 +4,7 @@
 #pragma once
 
 #include "csrc/common/env_flag.h"
+#include "csrc/sm90/api.h"
 #include "csrc/sm90/decode_kernel.cuh"
 #include "csrc/sm90/decode_seesaw.cuh"
 
@@ -11,12 +12,14 @@ namespace mla_jax {
 namespace sm90 {
 
 template <typename Tr>
-cudaError_t launch_decode(const PagedDecodeParams& p, const DecodeWorkspace& ws, cudaStream_t stream) {
+cudaError_t launch_decode(const PagedDecodeParams& p, const DecodeWorkspace& ws, cudaStream_t stream,
+                          DecodeKernel* launched) {
   KvTma tma;
   make_kv_tma(p, &tma);
   // MLA_JAX_SM90_LOCKSTEP=1 keeps the lock-step kernel on TMA-loadable
   // caches too (A/B benchmarks, tests of that kernel's TMA path).
   const bool seesaw = tma.enabled && !env_flag("MLA_JAX_SM90_LOCKSTEP");
+  *launched = seesaw ? DecodeKernel::kSeesaw : DecodeKernel::kLockstep;
   // The seesaw kernel schedules itself (no scheduler kernel, no launch gap):
   // batches of up to 32 requests with one warp's shuffles
   // (sm80/schedule_inline.cuh), larger ones with the block-level schedule
