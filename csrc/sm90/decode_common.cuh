@@ -35,14 +35,17 @@ __device__ __forceinline__ float fast_exp2(float x) {
 
 // wgmma's accumulator layout (m64nNk16, f32): a thread of a warpgroup holds
 // rows accumulator_row_base + 8 * rr, and its element i sits in row half
-// rr = accumulator_row_half(i) = (i / 2) % 2, with elements 2k and 2k + 1 in
-// adjacent columns. A static rr keeps the per-row softmax state in
-// registers; csrc/sm90/layout_check.cu checks these two functions against
-// CuTe's layouts on the host.
+// rr = accumulator_row_half(i) = (i / 2) % 2 and column accumulator_col(i),
+// with elements 2k and 2k + 1 in adjacent columns. A static rr keeps the
+// per-row softmax state in registers; csrc/sm90/layout_check.cu checks these
+// functions against CuTe's layouts on the host.
 __host__ __device__ __forceinline__ int accumulator_row_base(int wg_tid) {
   return (wg_tid / 32) * 16 + (wg_tid % 32) / 4;
 }
 __host__ __device__ __forceinline__ int accumulator_row_half(int i) { return (i >> 1) & 1; }
+__host__ __device__ __forceinline__ int accumulator_col(int wg_tid, int i) {
+  return 2 * (wg_tid % 4) + (i & 1) + 8 * (i >> 2);
+}
 
 // The FP8 KV dequantisation scale (1 for bf16/fp16 caches) and the softmax
 // scale in log2 units with it folded in, so S feeds exp2 directly.
@@ -144,12 +147,11 @@ __device__ __forceinline__ void row_limits(const PagedDecodeParams& p, const Dec
 // attention sink's factor when the request is not split) to the output, or
 // to the item's partials when the request is split. NaN rows for invalid
 // requests or bad page ids (s_bad_page: shared flag set by the copies).
-template <typename Tr, typename T, typename FragO, typename CoordO>
+template <typename Tr, typename T, typename FragO>
 __device__ __forceinline__ void write_item_output(const PagedDecodeParams& p, const sm80::DecodeWorkspace& ws,
                                                   const DecodeItem& it, int item, int m0, float (&row_sum)[2],
                                                   const float (&row_max)[2], float kv_scale,
-                                                  const int* s_bad_page, float* sRed, FragO& tOrO,
-                                                  const CoordO& tOcO) {
+                                                  const int* s_bad_page, float* sRed, FragO& tOrO) {
   constexpr float kLn2 = 0.6931471805599453f;
   const int tid = threadIdx.x;
   const int wg = tid / 128, wg_tid = tid % 128, lane = tid % 32;
@@ -192,21 +194,35 @@ __device__ __forceinline__ void write_item_output(const PagedDecodeParams& p, co
       (split ? ws.lse_accum : p.lse)[out_row] = lse;
     }
   }
-  // Accumulator elements 2k and 2k + 1 are adjacent columns of one row,
-  // in row half (k % 2).
+  // Element i of tOrO is row row_lo + 8 accumulator_row_half(i), column
+  // col_lo + accumulator_col(wg_tid, i) - accumulator_col(wg_tid, 0): one
+  // base pointer per row, so every store is that base plus a constant.
+  // (Computing each element's address from its coordinates, with the row
+  // and split tests inside the loop, took about 1500 instructions per
+  // thread: NOTES v13.)
+  const int row_lo = m0 + row_base;
+  const bool row_ok[2] = {row_lo < rows, row_lo + 8 < rows};
+  const int col_lo = wg * Tr::kOCols + accumulator_col(wg_tid, 0);
+  const int64_t first_row = (split ? int64_t{item} : int64_t{it.b}) * rows + row_lo;
+  auto store_rows = [&](auto* out) {
+    decltype(out) dst[2] = {out + first_row * Tr::kDimNope + col_lo, out + (first_row + 8) * Tr::kDimNope + col_lo};
 #pragma unroll
-  for (int i = 0; i < cute::size(tOrO); i += 2) {
-    const int row = m0 + cute::get<0>(tOcO(i));
-    if (row >= rows) continue;
-    const int col = wg * Tr::kOCols + cute::get<1>(tOcO(i));
-    const float sc = scale[(i >> 1) & 1];
-    if (split) {
-      float* dst = ws.out_accum + (int64_t{item} * rows + row) * Tr::kDimNope + col;
-      *reinterpret_cast<float2*>(dst) = make_float2(tOrO(i) * sc, tOrO(i + 1) * sc);
-    } else {
-      T* dst = static_cast<T*>(p.out) + (int64_t{it.b} * rows + row) * Tr::kDimNope + col;
-      *reinterpret_cast<uint32_t*>(dst) = sm80::pack2<T>(tOrO(i) * sc, tOrO(i + 1) * sc);
+    for (int i = 0; i < cute::size(tOrO); i += 2) {
+      const int rr = accumulator_row_half(i);
+      if (!row_ok[rr]) continue;
+      const float a = tOrO(i) * scale[rr], b = tOrO(i + 1) * scale[rr];
+      auto* at = dst[rr] + (accumulator_col(wg_tid, i) - accumulator_col(wg_tid, 0));
+      if constexpr (std::is_same_v<decltype(out), float*>) {
+        *reinterpret_cast<float2*>(at) = make_float2(a, b);
+      } else {
+        *reinterpret_cast<uint32_t*>(at) = sm80::pack2<T>(a, b);
+      }
     }
+  };
+  if (split) {
+    store_rows(ws.out_accum);
+  } else {
+    store_rows(static_cast<T*>(p.out));
   }
 }
 
