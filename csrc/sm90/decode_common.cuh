@@ -147,11 +147,14 @@ __device__ __forceinline__ void row_limits(const PagedDecodeParams& p, const Dec
 // attention sink's factor when the request is not split) to the output, or
 // to the item's partials when the request is split. NaN rows for invalid
 // requests or bad page ids (s_bad_page: shared flag set by the copies).
+// staging: the KV stages (kStages x kTileBytes of shared memory), which no
+// load writes and no wgmma reads at an item's end.
 template <typename Tr, typename T, typename FragO>
 __device__ __forceinline__ void write_item_output(const PagedDecodeParams& p, const sm80::DecodeWorkspace& ws,
                                                   const DecodeItem& it, int item, int m0, float (&row_sum)[2],
                                                   const float (&row_max)[2], float kv_scale,
-                                                  const int* s_bad_page, float* sRed, FragO& tOrO) {
+                                                  const int* s_bad_page, float* sRed, char* staging,
+                                                  FragO& tOrO) {
   constexpr float kLn2 = 0.6931471805599453f;
   const int tid = threadIdx.x;
   const int wg = tid / 128, wg_tid = tid % 128, lane = tid % 32;
@@ -194,35 +197,50 @@ __device__ __forceinline__ void write_item_output(const PagedDecodeParams& p, co
       (split ? ws.lse_accum : p.lse)[out_row] = lse;
     }
   }
-  // Element i of tOrO is row row_lo + 8 accumulator_row_half(i), column
-  // col_lo + accumulator_col(wg_tid, i) - accumulator_col(wg_tid, 0): one
-  // base pointer per row, so every store is that base plus a constant.
-  // (Computing each element's address from its coordinates, with the row
-  // and split tests inside the loop, took about 1500 instructions per
-  // thread: NOTES v13.)
-  const int row_lo = m0 + row_base;
-  const bool row_ok[2] = {row_lo < rows, row_lo + 8 < rows};
-  const int col_lo = wg * Tr::kOCols + accumulator_col(wg_tid, 0);
-  const int64_t first_row = (split ? int64_t{item} : int64_t{it.b}) * rows + row_lo;
-  auto store_rows = [&](auto* out) {
-    decltype(out) dst[2] = {out + first_row * Tr::kDimNope + col_lo, out + (first_row + 8) * Tr::kDimNope + col_lo};
+  // The block's output goes through shared memory: each thread writes its
+  // accumulator pairs into `staging` (row stride padded by 16 bytes, so the
+  // eight rows of one store instruction fall in different banks), then the
+  // CTA copies whole rows out with 16-byte loads and stores, consecutive
+  // threads on consecutive bytes. Stored from the accumulator layout
+  // directly, every warp store touched eight rows (eight 16- or 32-byte
+  // pieces), and the epilogue took 3-10 us per item (NOTES v13). Element i
+  // of tOrO is row row_base + 8 accumulator_row_half(i), column
+  // wg * kOCols + accumulator_col(wg_tid, i) of the block.
+  const int valid_rows = min(Tr::kBlockM, rows - m0);
+  const int64_t block_row = (split ? int64_t{item} : int64_t{it.b}) * rows + m0;  // output row of block row 0
+  auto stage_and_store = [&](auto* out) {
+    using OutT = std::remove_pointer_t<decltype(out)>;
+    constexpr int kRowBytes = Tr::kDimNope * static_cast<int>(sizeof(OutT));
+    constexpr int kStride = kRowBytes + 16;
+    static_assert(Tr::kBlockM * kStride <= Tr::kStages * Tr::kTileBytes, "the block fits the KV stages");
+    char* mine = staging + row_base * kStride + (wg * Tr::kOCols + accumulator_col(wg_tid, 0)) * sizeof(OutT);
 #pragma unroll
     for (int i = 0; i < cute::size(tOrO); i += 2) {
       const int rr = accumulator_row_half(i);
-      if (!row_ok[rr]) continue;
       const float a = tOrO(i) * scale[rr], b = tOrO(i + 1) * scale[rr];
-      auto* at = dst[rr] + (accumulator_col(wg_tid, i) - accumulator_col(wg_tid, 0));
-      if constexpr (std::is_same_v<decltype(out), float*>) {
+      char* at = mine + rr * 8 * kStride + (accumulator_col(wg_tid, i) - accumulator_col(wg_tid, 0)) * sizeof(OutT);
+      if constexpr (std::is_same_v<OutT, float>) {
         *reinterpret_cast<float2*>(at) = make_float2(a, b);
       } else {
         *reinterpret_cast<uint32_t*>(at) = sm80::pack2<T>(a, b);
       }
     }
+    __syncthreads();
+    constexpr int kChunks = kRowBytes / 16;
+    char* dst = reinterpret_cast<char*>(out + block_row * Tr::kDimNope);
+    for (int idx = tid; idx < valid_rows * kChunks; idx += Tr::kThreads) {
+      const int r = idx / kChunks, c = idx % kChunks;
+      *reinterpret_cast<uint4*>(dst + r * kRowBytes + c * 16) =
+          *reinterpret_cast<const uint4*>(staging + r * kStride + c * 16);
+    }
+    // The next item's TMA loads (async proxy) overwrite these bytes after
+    // the barrier that starts it: order this thread's reads before them.
+    fence_smem_for_wgmma();
   };
   if (split) {
-    store_rows(ws.out_accum);
+    stage_and_store(ws.out_accum);
   } else {
-    store_rows(static_cast<T*>(p.out));
+    stage_and_store(static_cast<T*>(p.out));
   }
 }
 

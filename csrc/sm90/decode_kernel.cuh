@@ -407,7 +407,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     for (int t = 0; t + 1 < num_tiles; ++t) step(t, std::true_type{});
     if (num_tiles > 0) step(num_tiles - 1, std::false_type{});
 
-    write_item_output<Tr, T>(p, ws, it, item, m0, row_sum, row_max, kv_scale, s_bad_page, sRed, tOrO);
+    write_item_output<Tr, T>(p, ws, it, item, m0, row_sum, row_max, kv_scale, s_bad_page, sRed, smem_raw + smem_pad + Tr::kSmemKv, tOrO);
   }
 #endif  // sm_90a
 }

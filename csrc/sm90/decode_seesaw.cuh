@@ -515,7 +515,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     warpgroup_fence_operand(tOrO);
 
     // Both warpgroups' sums are relative to the same m_run.
-    write_item_output<Tr, T>(p, ws, it, item, m0, l_own, m_run, kv_scale, s_bad_page, sRed, tOrO);
+    write_item_output<Tr, T>(p, ws, it, item, m0, l_own, m_run, kv_scale, s_bad_page, sRed, sKv_shared, tOrO);
   }
 #endif  // sm_90a
 }
