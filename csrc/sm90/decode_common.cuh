@@ -35,14 +35,17 @@ __device__ __forceinline__ float fast_exp2(float x) {
 
 // wgmma's accumulator layout (m64nNk16, f32): a thread of a warpgroup holds
 // rows accumulator_row_base + 8 * rr, and its element i sits in row half
-// rr = accumulator_row_half(i) = (i / 2) % 2, with elements 2k and 2k + 1 in
-// adjacent columns. A static rr keeps the per-row softmax state in
-// registers; csrc/sm90/layout_check.cu checks these two functions against
-// CuTe's layouts on the host.
+// rr = accumulator_row_half(i) = (i / 2) % 2 and column accumulator_col(i),
+// with elements 2k and 2k + 1 in adjacent columns. A static rr keeps the
+// per-row softmax state in registers; csrc/sm90/layout_check.cu checks these
+// functions against CuTe's layouts on the host.
 __host__ __device__ __forceinline__ int accumulator_row_base(int wg_tid) {
   return (wg_tid / 32) * 16 + (wg_tid % 32) / 4;
 }
 __host__ __device__ __forceinline__ int accumulator_row_half(int i) { return (i >> 1) & 1; }
+__host__ __device__ __forceinline__ int accumulator_col(int wg_tid, int i) {
+  return 2 * (wg_tid % 4) + (i & 1) + 8 * (i >> 2);
+}
 
 // The FP8 KV dequantisation scale (1 for bf16/fp16 caches) and the softmax
 // scale in log2 units with it folded in, so S feeds exp2 directly.
@@ -144,12 +147,14 @@ __device__ __forceinline__ void row_limits(const PagedDecodeParams& p, const Dec
 // attention sink's factor when the request is not split) to the output, or
 // to the item's partials when the request is split. NaN rows for invalid
 // requests or bad page ids (s_bad_page: shared flag set by the copies).
-template <typename Tr, typename T, typename FragO, typename CoordO>
+// staging: the KV stages (kStages x kTileBytes of shared memory), which no
+// load writes and no wgmma reads at an item's end.
+template <typename Tr, typename T, typename FragO>
 __device__ __forceinline__ void write_item_output(const PagedDecodeParams& p, const sm80::DecodeWorkspace& ws,
                                                   const DecodeItem& it, int item, int m0, float (&row_sum)[2],
                                                   const float (&row_max)[2], float kv_scale,
-                                                  const int* s_bad_page, float* sRed, FragO& tOrO,
-                                                  const CoordO& tOcO) {
+                                                  const int* s_bad_page, float* sRed, char* staging,
+                                                  FragO& tOrO) {
   constexpr float kLn2 = 0.6931471805599453f;
   const int tid = threadIdx.x;
   const int wg = tid / 128, wg_tid = tid % 128, lane = tid % 32;
@@ -192,21 +197,50 @@ __device__ __forceinline__ void write_item_output(const PagedDecodeParams& p, co
       (split ? ws.lse_accum : p.lse)[out_row] = lse;
     }
   }
-  // Accumulator elements 2k and 2k + 1 are adjacent columns of one row,
-  // in row half (k % 2).
+  // The block's output goes through shared memory: each thread writes its
+  // accumulator pairs into `staging` (row stride padded by 16 bytes, so the
+  // eight rows of one store instruction fall in different banks), then the
+  // CTA copies whole rows out with 16-byte loads and stores, consecutive
+  // threads on consecutive bytes. Stored from the accumulator layout
+  // directly, every warp store touched eight rows (eight 16- or 32-byte
+  // pieces), and the epilogue took 3-10 us per item (NOTES v13). Element i
+  // of tOrO is row row_base + 8 accumulator_row_half(i), column
+  // wg * kOCols + accumulator_col(wg_tid, i) of the block.
+  const int valid_rows = min(Tr::kBlockM, rows - m0);
+  const int64_t block_row = (split ? int64_t{item} : int64_t{it.b}) * rows + m0;  // output row of block row 0
+  auto stage_and_store = [&](auto* out) {
+    using OutT = std::remove_pointer_t<decltype(out)>;
+    constexpr int kRowBytes = Tr::kDimNope * static_cast<int>(sizeof(OutT));
+    constexpr int kStride = kRowBytes + 16;
+    static_assert(Tr::kBlockM * kStride <= Tr::kStages * Tr::kTileBytes, "the block fits the KV stages");
+    char* mine = staging + row_base * kStride + (wg * Tr::kOCols + accumulator_col(wg_tid, 0)) * sizeof(OutT);
 #pragma unroll
-  for (int i = 0; i < cute::size(tOrO); i += 2) {
-    const int row = m0 + cute::get<0>(tOcO(i));
-    if (row >= rows) continue;
-    const int col = wg * Tr::kOCols + cute::get<1>(tOcO(i));
-    const float sc = scale[(i >> 1) & 1];
-    if (split) {
-      float* dst = ws.out_accum + (int64_t{item} * rows + row) * Tr::kDimNope + col;
-      *reinterpret_cast<float2*>(dst) = make_float2(tOrO(i) * sc, tOrO(i + 1) * sc);
-    } else {
-      T* dst = static_cast<T*>(p.out) + (int64_t{it.b} * rows + row) * Tr::kDimNope + col;
-      *reinterpret_cast<uint32_t*>(dst) = sm80::pack2<T>(tOrO(i) * sc, tOrO(i + 1) * sc);
+    for (int i = 0; i < cute::size(tOrO); i += 2) {
+      const int rr = accumulator_row_half(i);
+      const float a = tOrO(i) * scale[rr], b = tOrO(i + 1) * scale[rr];
+      char* at = mine + rr * 8 * kStride + (accumulator_col(wg_tid, i) - accumulator_col(wg_tid, 0)) * sizeof(OutT);
+      if constexpr (std::is_same_v<OutT, float>) {
+        *reinterpret_cast<float2*>(at) = make_float2(a, b);
+      } else {
+        *reinterpret_cast<uint32_t*>(at) = sm80::pack2<T>(a, b);
+      }
     }
+    __syncthreads();
+    constexpr int kChunks = kRowBytes / 16;
+    char* dst = reinterpret_cast<char*>(out + block_row * Tr::kDimNope);
+    for (int idx = tid; idx < valid_rows * kChunks; idx += Tr::kThreads) {
+      const int r = idx / kChunks, c = idx % kChunks;
+      *reinterpret_cast<uint4*>(dst + r * kRowBytes + c * 16) =
+          *reinterpret_cast<const uint4*>(staging + r * kStride + c * 16);
+    }
+    // The next item's TMA loads (async proxy) overwrite these bytes after
+    // the barrier that starts it: order this thread's reads before them.
+    fence_smem_for_wgmma();
+  };
+  if (split) {
+    stage_and_store(ws.out_accum);
+  } else {
+    stage_and_store(static_cast<T*>(p.out));
   }
 }
 

@@ -91,7 +91,6 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   Tensor tOrO = partition_fragment_C(mma_o, Shape<Int<kBlockM>, Int<Tr::kOCols>>{});
   // (row, column) of every accumulator element this thread holds.
   Tensor tScS = thr_s.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<Tr::kSCols>>{}));
-  Tensor tOcO = thr_o.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<Tr::kOCols>>{}));
   // Accumulator rows of this thread: row_base + 8 * accumulator_row_half(i).
   const int row_base = accumulator_row_base(wg_tid);
 
@@ -408,7 +407,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     for (int t = 0; t + 1 < num_tiles; ++t) step(t, std::true_type{});
     if (num_tiles > 0) step(num_tiles - 1, std::false_type{});
 
-    write_item_output<Tr, T>(p, ws, it, item, m0, row_sum, row_max, kv_scale, s_bad_page, sRed, tOrO, tOcO);
+    write_item_output<Tr, T>(p, ws, it, item, m0, row_sum, row_max, kv_scale, s_bad_page, sRed, smem_raw + smem_pad + Tr::kSmemKv, tOrO);
   }
 #endif  // sm_90a
 }

@@ -91,7 +91,6 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   Tensor tOrP = thr_o_regs.partition_fragment_A(sPb);  // this warpgroup's P as the A operand (registers)
   Tensor tOrO = partition_fragment_C(mma_o, Shape<Int<kBlockM>, Int<Tr::kOCols>>{});
   Tensor tScS = thr_s.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
-  Tensor tOcO = thr_o.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<Tr::kOCols>>{}));
   static_assert(decltype(size(tOrP))::value == decltype(size(tSrS))::value, "P fragment = S accumulator");
   // V half of this warpgroup in each stage, and the A operands from shared memory.
   auto v_half = [&](int stage) {
@@ -516,7 +515,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     warpgroup_fence_operand(tOrO);
 
     // Both warpgroups' sums are relative to the same m_run.
-    write_item_output<Tr, T>(p, ws, it, item, m0, l_own, m_run, kv_scale, s_bad_page, sRed, tOrO, tOcO);
+    write_item_output<Tr, T>(p, ws, it, item, m0, l_own, m_run, kv_scale, s_bad_page, sRed, sKv_shared, tOrO);
   }
 #endif  // sm_90a
 }

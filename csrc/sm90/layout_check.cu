@@ -7,8 +7,9 @@
 //     K-major KV tile, and local_tile's token half is the tile's rows;
 //   - the wgmma accumulator layouts: thread t's element i lies in row
 //     accumulator_row_base(t) + 8 * accumulator_row_half(i), i.e.
-//     (t / 32) * 16 + (t % 32) / 4 + 8 * ((i / 2) % 2), and elements 2k,
-//     2k + 1 are adjacent columns of one row.
+//     (t / 32) * 16 + (t % 32) / 4 + 8 * ((i / 2) % 2), and column
+//     accumulator_col(t, i) = 2 * (t % 4) + i % 2 + 8 * (i / 4), so
+//     elements 2k, 2k + 1 are adjacent columns of one row.
 // Exit status 0 when every check holds.
 #include <cstdio>
 
@@ -55,6 +56,8 @@ int check_traits(const char* name) {
         const int want_row =
             mla_jax::sm90::accumulator_row_base(t) + 8 * mla_jax::sm90::accumulator_row_half(i);
         if (row != want_row && bad++ < 5) std::printf("%s %s: thread %d element %d in row %d, expected %d\n", name, which, t, i, row, want_row);
+        const int want_col = mla_jax::sm90::accumulator_col(t, i);
+        if (col != want_col && bad++ < 5) std::printf("%s %s: thread %d element %d in column %d, expected %d\n", name, which, t, i, col, want_col);
         if (i % 2 == 1) {
           const int prow = get<0>(coords(i - 1)), pcol = get<1>(coords(i - 1));
           if ((prow != row || pcol + 1 != col) && bad++ < 5) std::printf("%s %s: elements %d, %d not adjacent\n", name, which, i - 1, i);
