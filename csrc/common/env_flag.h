@@ -10,12 +10,6 @@
 
 namespace mla_jax {
 
-// True when the variable is set to exactly `value`.
-inline bool env_is(const char* name, const char* value) {
-  const char* v = std::getenv(name);
-  return v != nullptr && std::strcmp(v, value) == 0;
-}
-
 // True when the variable is set to something other than "" or "0...".
 inline bool env_flag(const char* name) {
   const char* v = std::getenv(name);
