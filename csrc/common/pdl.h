@@ -6,11 +6,8 @@
 // last item) or exited; its first statement, pdl_wait_for_previous(),
 // returns only when the decode grid has completed and its writes are
 // visible. So only the launch latency and the CTA dispatch overlap the
-// decode, never data. By default on only after the seesaw kernel with more
-// than kInlineScheduleMaxBatch requests, where CTAs run several items:
-// measured on the H200 (benchmarks/NOTES.md v11, v12) it saved up to 8 us
-// there and cost 1-3 us on a few requests at 12 heads. MLA_JAX_PDL=1 or 0
-// forces it on or off.
+// decode, never data. When it is on by default, and why: sm80::paged_decode
+// (csrc/sm80/api.cu). MLA_JAX_PDL=1 or 0 forces it on or off.
 #pragma once
 
 #include <cuda_runtime.h>
