@@ -55,8 +55,9 @@ def _shape(x) -> tuple:
 def _check_dtype(name, x, allowed):
   dt = jnp.dtype(x.dtype)
   if dt not in allowed:
-    names = ", ".join(str(a) for a in allowed)
-    raise TypeError(f"{name}: expected dtype in ({names}), got {dt}")
+    want = (str(jnp.dtype(allowed[0])) if len(allowed) == 1
+            else "one of (" + ", ".join(str(jnp.dtype(a)) for a in allowed) + ")")
+    raise TypeError(f"{name}: expected dtype {want}, got {dt}")
 
 
 def _check_last_dim(name, x, want):

@@ -102,7 +102,7 @@ def quantize_latent_fp8(kv, scale_format: str = "pow2"):
     raise TypeError(f"kv: expected a jax or numpy array, got {type(kv).__name__}")
   allowed = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
   if jnp.dtype(kv.dtype) not in allowed:
-    raise TypeError(f"kv: expected dtype in (bfloat16, float16, float32), got {kv.dtype}")
+    raise TypeError(f"kv: expected dtype one of (bfloat16, float16, float32), got {kv.dtype}")
   if kv.ndim < 1 or kv.shape[-1] != KV_LORA_RANK + ROPE_DIM:
     raise ValueError(f"kv: expected last dimension {KV_LORA_RANK + ROPE_DIM}, got shape {kv.shape}")
   lead = kv.shape[:-1]
