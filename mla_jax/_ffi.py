@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 
@@ -44,9 +45,10 @@ def has_cuda_target(name: str) -> bool:
 def require_extension():
   if _ext is None:
     raise RuntimeError(
-        f"mla_jax's compiled extension failed to import: {_IMPORT_ERROR} (mla_jax imported "
-        f"from {__file__}; if that is a source checkout without the built extension, run from "
-        "another directory or install with pip install -e .)")
+        f"mla_jax's compiled extension is missing: mla_jax was imported from "
+        f"{os.path.dirname(__file__)}. If that is a source checkout without the built "
+        "extension, run from another directory or install with pip install -e . "
+        f"(the import error was: {_IMPORT_ERROR})")
 
 
 @functools.cache

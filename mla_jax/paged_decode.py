@@ -180,6 +180,9 @@ def paged_decode(query, kv_cache, block_table, seq_lens, *, plan: DecodePlan,
       differentiation (the op is inference-only).
     ValueError: wrong ranks or shapes, or a mismatch with the plan.
     RuntimeError: backend "cuda" requested but not compiled in.
+    jax.errors.JaxRuntimeError: backend "cuda" compiled for a device that
+      is not a CUDA GPU (raised by XLA when the program runs: no FFI handler
+      registered for that platform).
   """
   inputs = normalize(query, kv_cache, block_table, seq_lens, plan, kv_scale)
   decode = _decode_fn(plan, not inputs.query_had_q_axis)

@@ -179,6 +179,9 @@ def sparse_decode(query, kv_cache, indices, *, plan: SparseDecodePlan, topk_lens
       (ckv, kpe) cache pair, or differentiation (the op is inference-only).
     ValueError: wrong ranks or shapes, or a mismatch with the plan.
     RuntimeError: backend "cuda" requested but not compiled in.
+    jax.errors.JaxRuntimeError: backend "cuda" compiled for a device that
+      is not a CUDA GPU (raised by XLA when the program runs: no FFI handler
+      registered for that platform).
   """
   inputs = normalize_sparse(query, kv_cache, indices, topk_lens, attn_sink, plan)
   out, lse = _sparse_fn(plan, inputs.has_sink, not inputs.query_had_q_axis)(*inputs.operands)
