@@ -162,7 +162,7 @@ __device__ __forceinline__ bool whole_requests_may_fit(int64_t work, int batch, 
 // Taken under the same kWholeRequestSlackPct, by the block schedule only
 // (more than kInlineScheduleMaxBatch requests, at most kSnakeMaxBatch).
 // Items are numbered partition by partition, so a partition's items stay
-// consecutive: rank r is round r / P of partition snake_part(r).
+// consecutive: rank r is round r / P of partition snake_slot(r, ...).part.
 struct SnakeSlot {
   int part;    // partition of the request
   int number;  // its item number
