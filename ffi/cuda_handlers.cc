@@ -1,114 +1,159 @@
-// XLA FFI handler for the CUDA backend: scheduler + decode + combine on
-// XLA's stream, scratch passed in as extra results (XLA allocates it), so
-// the handler allocates nothing and is safe inside command buffers.
+// XLA FFI handlers for the CUDA backend. Per call: the buffers become
+// kernel parameters, the kernel configuration is the one chosen at trace
+// time (re-chosen by the same select_kernel() when the device is not the one
+// it was chosen for), the workspace result is carved by workspace_layout(),
+// and scheduler + decode + combine are launched on XLA's stream. The handler
+// allocates nothing, so it is safe inside command buffers.
 #include <cuda_runtime.h>
 
 #include <cstdint>
 #include <string>
+#include <string_view>
 
-#include "csrc/common/env_flag.h"
-#include "csrc/sm80/api.h"
+#include "csrc/common/workspace.h"
+#include "csrc/dispatch/decode.h"
+#include "csrc/dispatch/select.h"
 #include "ffi/decode_args.h"
+#include "ffi/ffi_util.h"
 #include "ffi/handlers.h"
 
 namespace mla_jax {
 namespace {
 
-ffi::Error cuda_error(const char* what, cudaError_t err) {
-  return ffi::Error::Internal(std::string("mla_jax paged decode: ") + what + ": " + cudaGetErrorString(err));
+// The kernel-choice attributes every CUDA call carries (mla_jax/kernels.py).
+struct KernelAttrs {
+  std::string_view kernel_config;   // chosen at trace time (format_config)
+  std::string_view kernel_request;  // the plan's request
+  int64_t selected_for_arch;        // the device kernel_config was chosen for (0: none)
+  int64_t selected_for_sm_count;
+  int64_t workspace_parts;          // partitions the workspace holds
+};
+
+// 16 bytes between rows of every cache row array, bases 16-byte aligned,
+// pages laid end to end: what TMA loads need (select_kernel's kv_aligned).
+bool kv_rows_aligned(const PagedDecodeParams& p) {
+  const int64_t eb = elem_bytes(p.kv_type);
+  auto ok = [&](const void* base, int64_t token_stride, int64_t page_stride) {
+    return reinterpret_cast<uintptr_t>(base) % 16 == 0 && (token_stride * eb) % 16 == 0 &&
+           page_stride == int64_t{p.page_size} * token_stride;
+  };
+  return ok(p.ckv, p.ckv_token_stride, p.ckv_page_stride) && ok(p.kpe, p.kpe_token_stride, p.kpe_page_stride);
 }
 
-// The A/B switches with a fixed set of values (README "Which CUDA kernel
-// runs"); the boolean ones accept any value.
-ffi::Error check_env_switches() {
-  const std::string why = env_choice_error("MLA_JAX_COMBINE_GRID", {"block", "rows", "slices"});
-  return why.empty() ? ffi::Error::Success() : ffi::Error::InvalidArgument(why);
+// What a call launches with.
+struct Launch {
+  KernelConfig config;  // resolved
+  DecodeWorkspace ws;
+  int num_parts = 1;
+};
+
+// Resolves the configuration for this device and carves the workspace.
+ffi::Error prepare(const char* op, DecodeOp kind, int device_ordinal, const PagedDecodeParams& p,
+                   const KernelAttrs& attrs, ffi::Result<ffi::AnyBuffer> workspace, Launch* launch) {
+  const DeviceInfo& dev = device_info(device_ordinal);
+  if (dev.status != cudaSuccess)
+    return internal_error(op, std::string("cannot query the CUDA device: ") + cudaGetErrorString(dev.status));
+  if (attrs.workspace_parts < 1 || attrs.workspace_parts > (int64_t{1} << 20))
+    return invalid_argument(op, "workspace_parts must be in [1, 2^20], got " + std::to_string(attrs.workspace_parts));
+
+  const bool same_device = attrs.selected_for_arch == dev.arch && attrs.selected_for_sm_count == dev.sm_count;
+  KernelConfig want;
+  std::string why;
+  const std::string text(same_device ? attrs.kernel_config : attrs.kernel_request);
+  if (!parse_config(text, &want, &why)) return invalid_argument(op, "kernel configuration attribute: " + why);
+
+  DecodeFacts f;
+  f.op = kind;
+  f.q_type = p.q_type;
+  f.kv_type = p.kv_type;
+  f.kv_format = p.kv_format;
+  f.kv_lora_rank = p.kv_lora_rank;
+  f.qk_rope_head_dim = p.qk_rope_head_dim;
+  f.page_size = p.page_size;
+  f.q_len = p.q_len;
+  f.num_heads = p.num_heads;
+  f.batch = p.batch;
+  f.num_pages = p.num_pages;
+  f.kv_aligned = kv_rows_aligned(p);
+  f.arch = dev.arch;
+  f.sm_count = dev.sm_count;
+  f.build_sm90a = build_has_sm90a();
+  f.workspace_parts = static_cast<int>(attrs.workspace_parts);
+  const Selection sel = select_kernel(f, want);
+  if (!sel.error.empty()) return invalid_argument(op, sel.error);
+  if (!sel.config.resolved()) return internal_error(op, "the kernel configuration is not resolved on the device");
+  launch->config = sel.config;
+
+  const int64_t rows = f.rows();
+  const WorkspaceLayout layout = workspace_layout(f.requests(), rows, p.kv_lora_rank, attrs.workspace_parts);
+  char* base = static_cast<char*>(workspace->untyped_data());
+  if (workspace->size_bytes() < static_cast<size_t>(layout.total) || reinterpret_cast<uintptr_t>(base) % 16 != 0 ||
+      layout.max_items > INT32_MAX)
+    return invalid_argument(op, "the workspace result is too small or misaligned for this call (" +
+                                    std::to_string(workspace->size_bytes()) + " bytes, needs " +
+                                    std::to_string(layout.total) + ")");
+  DecodeWorkspace* ws = &launch->ws;
+  ws->request_meta = reinterpret_cast<int32_t*>(base + layout.request_meta);
+  ws->part_begin = reinterpret_cast<int32_t*>(base + layout.part_begin);
+  ws->items = reinterpret_cast<int32_t*>(base + layout.items);
+  ws->out_accum = reinterpret_cast<float*>(base + layout.out_accum);
+  ws->lse_accum = reinterpret_cast<float*>(base + layout.lse_accum);
+  ws->max_items = static_cast<int>(layout.max_items);
+  ws->item_regions = layout.item_regions;
+  launch->num_parts = num_partitions(dev.sm_count, rows, static_cast<int>(attrs.workspace_parts));
+  return ffi::Error::Success();
 }
 
-using S32Result = ffi::Result<ffi::Buffer<ffi::S32>>;
+ffi::Error launch_status(const char* op, cudaError_t err) {
+  if (err == cudaSuccess) return ffi::Error::Success();
+  return internal_error(op, std::string("kernel launch failed: ") + cudaGetErrorString(err));
+}
+
 using F32Result = ffi::Result<ffi::Buffer<ffi::F32>>;
 
-// Scratch sizes come from the buffers (they may be symbolic in Python):
-// num_parts from part_begin's last dim, max_items from out_accum's first
-// dim, item_regions from how many max_items x 4 regions items holds.
-ffi::Error make_workspace(int64_t requests, int64_t rows, int64_t dv, int64_t max_num_splits,
-                          S32Result request_meta, S32Result part_begin, S32Result items,
-                          F32Result out_accum, F32Result lse_accum, sm80::DecodeWorkspace* ws) {
-  auto parts_dims = part_begin->dimensions();
-  auto accum_dims = out_accum->dimensions();
-  if (parts_dims.size() < 1 || accum_dims.size() < 1 || max_num_splits < 0 ||
-      parts_dims[parts_dims.size() - 1] > INT32_MAX || accum_dims[0] > INT32_MAX || accum_dims[0] < 1) {
-    return ffi::Error::InvalidArgument("mla_jax: malformed scratch buffers or max_num_splits");
-  }
-  ws->num_parts = static_cast<int>(parts_dims[parts_dims.size() - 1]) - 1;
-  ws->max_items = static_cast<int>(accum_dims[0]);
-  ws->max_num_splits = static_cast<int>(max_num_splits);
-  const size_t max_items = static_cast<size_t>(ws->max_items);
-  // The scheduler writes part_begin[0 .. num_parts] and reads every item slot.
-  if (ws->num_parts < 1 || part_begin->element_count() < static_cast<size_t>(ws->num_parts) + 1 ||
-      ws->max_items < requests + ws->num_parts ||
-      request_meta->element_count() < static_cast<size_t>(2 * requests) ||
-      items->element_count() < 4 * max_items ||
-      out_accum->element_count() < max_items * rows * dv || lse_accum->element_count() < max_items * rows) {
-    return ffi::Error::InvalidArgument("mla_jax: scratch buffers are too small for this call");
-  }
-  ws->item_regions = static_cast<int>(items->element_count() / (4 * max_items));
-  ws->request_meta = request_meta->typed_data();
-  ws->part_begin = part_begin->typed_data();
-  ws->items = items->typed_data();
-  ws->out_accum = out_accum->typed_data();
-  ws->lse_accum = lse_accum->typed_data();
-  return ffi::Error::Success();
-}
-
-ffi::Error paged_decode_cuda_impl(
-    cudaStream_t stream, ffi::AnyBuffer q_nope, ffi::AnyBuffer q_pe, ffi::AnyBuffer ckv, ffi::AnyBuffer kpe,
-    ffi::Buffer<ffi::S32> block_table, ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::F32> kv_scale,
-    ffi::Result<ffi::AnyBuffer> out, F32Result lse, S32Result request_meta, S32Result part_begin,
-    S32Result items, F32Result out_accum, F32Result lse_accum, float sm_scale, bool causal,
-    int64_t kv_lora_rank, int64_t qk_rope_head_dim, int64_t max_num_splits) {
+ffi::Error paged_decode_cuda_impl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer q_nope,
+                                  ffi::AnyBuffer q_pe, ffi::AnyBuffer ckv, ffi::AnyBuffer kpe,
+                                  ffi::Buffer<ffi::S32> block_table, ffi::Buffer<ffi::S32> seq_lens,
+                                  ffi::Buffer<ffi::F32> kv_scale, ffi::Result<ffi::AnyBuffer> out, F32Result lse,
+                                  ffi::Result<ffi::AnyBuffer> workspace, float sm_scale, bool causal,
+                                  int64_t kv_lora_rank, int64_t qk_rope_head_dim, int64_t max_num_splits,
+                                  std::string_view kernel_config, std::string_view kernel_request,
+                                  int64_t selected_for_arch, int64_t selected_for_sm_count,
+                                  int64_t workspace_parts) {
   PagedDecodeParams params;
-  ffi::Error err = fill_decode_params(q_nope, q_pe, ckv, kpe, block_table, seq_lens, kv_scale, *out, *lse,
-                                      sm_scale, causal, kv_lora_rank, qk_rope_head_dim, &params);
+  ffi::Error err = fill_decode_params(q_nope, q_pe, ckv, kpe, block_table, seq_lens, kv_scale, *out, *lse, sm_scale,
+                                      causal, kv_lora_rank, qk_rope_head_dim, &params);
   if (err.failure()) return err;
-  if (const char* why = sm80::check_supported(params)) {
-    return ffi::Error::InvalidArgument(std::string("mla_jax paged decode: ") + why);
-  }
-  err = check_env_switches();
+  if (max_num_splits < 0 || max_num_splits > INT32_MAX)
+    return invalid_argument(kPagedDecodeOp, "max_num_splits must be >= 0, got " + std::to_string(max_num_splits));
+  Launch run;
+  err = prepare(kPagedDecodeOp, DecodeOp::kPaged, device_ordinal, params,
+                {kernel_config, kernel_request, selected_for_arch, selected_for_sm_count, workspace_parts}, workspace,
+                &run);
   if (err.failure()) return err;
-  sm80::DecodeWorkspace ws;
-  err = make_workspace(params.batch, params.rows_per_request(), params.kv_lora_rank, max_num_splits,
-                       request_meta, part_begin, items, out_accum, lse_accum, &ws);
-  if (err.failure()) return err;
-  cudaError_t status = sm80::paged_decode(params, ws, stream);
-  if (status != cudaSuccess) return cuda_error("kernel launch failed", status);
-  return ffi::Error::Success();
+  return launch_status(kPagedDecodeOp, run_paged_decode(params, run.ws, run.config, run.num_parts,
+                                                        static_cast<int>(max_num_splits), stream));
 }
 
-// Sparse top-k decode: B*Q single-token requests of H rows each, so the
-// scratch is [B*Q, 2], [P + 1], [B*Q + P, 4], [B*Q + P, H, 512], [B*Q + P, H].
-ffi::Error sparse_decode_cuda_impl(
-    cudaStream_t stream, ffi::AnyBuffer q_nope, ffi::AnyBuffer q_pe, ffi::AnyBuffer kv,
-    ffi::Buffer<ffi::S32> indices, ffi::Buffer<ffi::S32> topk_lens, ffi::Buffer<ffi::F32> attn_sink,
-    ffi::Buffer<ffi::F32> kv_scale, ffi::Result<ffi::AnyBuffer> out, F32Result lse, S32Result request_meta,
-    S32Result part_begin, S32Result items, F32Result out_accum, F32Result lse_accum, float sm_scale,
-    int64_t kv_format, bool has_sink, int64_t kv_lora_rank, int64_t qk_rope_head_dim) {
+ffi::Error sparse_decode_cuda_impl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer q_nope,
+                                   ffi::AnyBuffer q_pe, ffi::AnyBuffer kv, ffi::Buffer<ffi::S32> indices,
+                                   ffi::Buffer<ffi::S32> topk_lens, ffi::Buffer<ffi::F32> attn_sink,
+                                   ffi::Buffer<ffi::F32> kv_scale, ffi::Result<ffi::AnyBuffer> out, F32Result lse,
+                                   ffi::Result<ffi::AnyBuffer> workspace, float sm_scale, int64_t kv_format,
+                                   bool has_sink, int64_t kv_lora_rank, int64_t qk_rope_head_dim,
+                                   std::string_view kernel_config, std::string_view kernel_request,
+                                   int64_t selected_for_arch, int64_t selected_for_sm_count,
+                                   int64_t workspace_parts) {
   PagedDecodeParams params;
   ffi::Error err = fill_sparse_params(q_nope, q_pe, kv, indices, topk_lens, attn_sink, kv_scale, *out, *lse,
                                       sm_scale, kv_format, has_sink, kv_lora_rank, qk_rope_head_dim, &params);
   if (err.failure()) return err;
-  if (const char* why = sm80::check_supported(params)) {
-    return ffi::Error::InvalidArgument(std::string("mla_jax sparse decode: ") + why);
-  }
-  err = check_env_switches();
+  Launch run;
+  err = prepare(kSparseDecodeOp, DecodeOp::kSparse, device_ordinal, params,
+                {kernel_config, kernel_request, selected_for_arch, selected_for_sm_count, workspace_parts}, workspace,
+                &run);
   if (err.failure()) return err;
-  sm80::DecodeWorkspace ws;
-  err = make_workspace(int64_t{params.batch} * params.q_len, params.num_heads, params.kv_lora_rank, 0,
-                       request_meta, part_begin, items, out_accum, lse_accum, &ws);
-  if (err.failure()) return err;
-  cudaError_t status = sm80::sparse_decode(params, ws, stream);
-  if (status != cudaSuccess) return cuda_error("kernel launch failed", status);
-  return ffi::Error::Success();
+  return launch_status(kSparseDecodeOp, run_sparse_decode(params, run.ws, run.config, run.num_parts, stream));
 }
 
 }  // namespace
@@ -116,6 +161,7 @@ ffi::Error sparse_decode_cuda_impl(
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedDecodeCuda, paged_decode_cuda_impl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
                                   .Arg<ffi::AnyBuffer>()         // q_nope (or packed query)
                                   .Arg<ffi::AnyBuffer>()         // q_pe
                                   .Arg<ffi::AnyBuffer>()         // ckv (or packed cache)
@@ -125,21 +171,23 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedDecodeCuda, paged_decode_cuda_impl,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // kv_scale
                                   .Ret<ffi::AnyBuffer>()         // out
                                   .Ret<ffi::Buffer<ffi::F32>>()  // lse
-                                  .Ret<ffi::Buffer<ffi::S32>>()  // scratch: request_meta
-                                  .Ret<ffi::Buffer<ffi::S32>>()  // scratch: part_begin
-                                  .Ret<ffi::Buffer<ffi::S32>>()  // scratch: items
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // scratch: out_accum
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // scratch: lse_accum
+                                  .Ret<ffi::AnyBuffer>()         // workspace (uint8, workspace_layout)
                                   .Attr<float>("sm_scale")
                                   .Attr<bool>("causal")
                                   .Attr<int64_t>("kv_lora_rank")
                                   .Attr<int64_t>("qk_rope_head_dim")
-                                  .Attr<int64_t>("max_num_splits"),
+                                  .Attr<int64_t>("max_num_splits")
+                                  .Attr<std::string_view>("kernel_config")
+                                  .Attr<std::string_view>("kernel_request")
+                                  .Attr<int64_t>("selected_for_arch")
+                                  .Attr<int64_t>("selected_for_sm_count")
+                                  .Attr<int64_t>("workspace_parts"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SparseDecodeCuda, sparse_decode_cuda_impl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
                                   .Arg<ffi::AnyBuffer>()         // q_nope (or packed query)
                                   .Arg<ffi::AnyBuffer>()         // q_pe
                                   .Arg<ffi::AnyBuffer>()         // kv: [P, S, 576] or uint8 [P, S, 656]
@@ -149,16 +197,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SparseDecodeCuda, sparse_decode_cuda_impl,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // kv_scale [1]
                                   .Ret<ffi::AnyBuffer>()         // out
                                   .Ret<ffi::Buffer<ffi::F32>>()  // lse
-                                  .Ret<ffi::Buffer<ffi::S32>>()  // scratch: request_meta
-                                  .Ret<ffi::Buffer<ffi::S32>>()  // scratch: part_begin
-                                  .Ret<ffi::Buffer<ffi::S32>>()  // scratch: items
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // scratch: out_accum
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // scratch: lse_accum
+                                  .Ret<ffi::AnyBuffer>()         // workspace (uint8, workspace_layout)
                                   .Attr<float>("sm_scale")
                                   .Attr<int64_t>("kv_format")
                                   .Attr<bool>("has_sink")
                                   .Attr<int64_t>("kv_lora_rank")
-                                  .Attr<int64_t>("qk_rope_head_dim"),
+                                  .Attr<int64_t>("qk_rope_head_dim")
+                                  .Attr<std::string_view>("kernel_config")
+                                  .Attr<std::string_view>("kernel_request")
+                                  .Attr<int64_t>("selected_for_arch")
+                                  .Attr<int64_t>("selected_for_sm_count")
+                                  .Attr<int64_t>("workspace_parts"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace mla_jax

@@ -3,35 +3,12 @@
 #include <cstdint>
 #include <string>
 
+#include "ffi/ffi_util.h"
+
 namespace mla_jax {
 namespace {
 
-// Plain std::string building, no iostreams: with jaxlib 0.11 loaded in the
-// process, constructing a std::ostringstream here crashed (segfault) on the
-// error path.
-std::string dims_str(ffi::Span<const int64_t> dims) {
-  std::string s = "[";
-  for (size_t i = 0; i < dims.size(); ++i) {
-    if (i) s += ", ";
-    s += std::to_string(dims[i]);
-  }
-  return s + "]";
-}
-
-ffi::Error invalid(const std::string& msg) {
-  return ffi::Error::InvalidArgument("mla_jax paged decode: " + msg);
-}
-
-bool elem_type_of(ffi::DataType dt, ElemType* out) {
-  switch (dt) {
-    case ffi::DataType::BF16: *out = ElemType::kBF16; return true;
-    case ffi::DataType::F16: *out = ElemType::kF16; return true;
-    case ffi::DataType::F8E4M3FN: *out = ElemType::kFP8E4M3; return true;
-    default: return false;
-  }
-}
-
-int64_t elem_bytes_of(ElemType t) { return t == ElemType::kFP8E4M3 ? 1 : 2; }
+ffi::Error invalid(const std::string& msg) { return invalid_argument(kPagedDecodeOp, msg); }
 
 // Empty when a separate q_pe is [B, Q, H, rope] with q_nope's [B, Q, H] (the
 // kernels read it with q_nope's row count); else the error message.
@@ -112,7 +89,7 @@ ffi::Error fill_decode_params(ffi::AnyBuffer q_nope, ffi::AnyBuffer q_pe, ffi::A
   p->sm_scale = sm_scale;
   p->causal = causal;
 
-  const int64_t kv_bytes = p->kv_type == ElemType::kFP8E4M3 ? 1 : 2;
+  const int64_t kv_bytes = elem_bytes(p->kv_type);
   set_query_rows(q_nope, q_pe, q_packed, dn, dr, p);
   p->ckv = ckv.untyped_data();
   p->ckv_token_stride = cd[2];
@@ -146,9 +123,7 @@ ffi::Error fill_sparse_params(ffi::AnyBuffer q_nope, ffi::AnyBuffer q_pe, ffi::A
                               ffi::AnyBuffer out, ffi::Buffer<ffi::F32> lse, float sm_scale,
                               int64_t kv_format, bool has_sink, int64_t kv_lora_rank,
                               int64_t qk_rope_head_dim, PagedDecodeParams* p) {
-  auto invalid = [](const std::string& msg) {
-    return ffi::Error::InvalidArgument("mla_jax sparse decode: " + msg);
-  };
+  auto invalid = [](const std::string& msg) { return invalid_argument(kSparseDecodeOp, msg); };
   const int64_t dn = kv_lora_rank, dr = qk_rope_head_dim, dqk = dn + dr;
   if (dn <= 0 || dr <= 0) return invalid("kv_lora_rank and qk_rope_head_dim must be positive");
   auto qd = q_nope.dimensions();
@@ -220,7 +195,7 @@ ffi::Error fill_sparse_params(ffi::AnyBuffer q_nope, ffi::AnyBuffer q_pe, ffi::A
   if (p->kv_format == KvFormat::kFp8DsMla) {
     p->kpe = static_cast<const char*>(kv.untyped_data()) + kDsMlaRopeOffset;  // bytes
   } else {
-    p->kpe = static_cast<const char*>(kv.untyped_data()) + dn * elem_bytes_of(p->kv_type);
+    p->kpe = static_cast<const char*>(kv.untyped_data()) + dn * elem_bytes(p->kv_type);
   }
 
   p->block_table = nullptr;

@@ -7,11 +7,9 @@
 #include <string>
 
 #include "csrc/common/mla_params.h"
-#include "xla/ffi/api/ffi.h"
+#include "ffi/ffi_util.h"
 
 namespace mla_jax {
-
-namespace ffi = xla::ffi;
 
 // query arguments: q_nope [B, Q, H, 512 or 576] and q_pe [B, Q, H, 64]; when
 // q_nope's last dim is kv_lora_rank + qk_rope_head_dim the query is packed

@@ -19,7 +19,7 @@ CPU_TARGET = "mla_jax_paged_decode_cpu"
 CUDA_TARGET = "mla_jax_paged_decode_cuda"
 SPARSE_CPU_TARGET = "mla_jax_sparse_decode_cpu"
 SPARSE_CUDA_TARGET = "mla_jax_sparse_decode_cuda"
-# Custom-call targets a jax.export user must allow:
+# Custom-call targets a jax.export user must allow (mla_jax.EXPORT_TARGETS):
 #   jax.export.DisabledSafetyCheck.custom_call(name) for each.
 EXPORT_TARGETS = (CPU_TARGET, CUDA_TARGET, SPARSE_CPU_TARGET, SPARSE_CUDA_TARGET)
 
@@ -49,6 +49,12 @@ def require_extension():
         f"{os.path.dirname(__file__)}. If that is a source checkout without the built "
         "extension, run from another directory or install with pip install -e . "
         f"(the import error was: {_IMPORT_ERROR})")
+
+
+def ext():
+  """The compiled extension (RuntimeError when it is missing)."""
+  require_extension()
+  return _ext
 
 
 @functools.cache

@@ -8,9 +8,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from . import _ffi, _sharding
-from ._kernel_call import fold_into_batch, inference_only, kernel_out_types as _out_types, operand_layouts as _operand_layouts, varying_like_inputs as _varying_like_inputs
-from ._scratch import split_kv_scratch
+from . import _ffi, _op, kernels
 from ._inputs import DecodeInputs, normalize
 from .plan import DecodePlan
 from .xla_reference import paged_decode_xla
@@ -19,74 +17,11 @@ from .xla_reference import paged_decode_xla
 # seq_lens, kv_scale); results (out, lse).
 
 
-def _attrs(plan: DecodePlan):
-  return dict(sm_scale=np.float32(plan.sm_scale), causal=bool(plan.causal),
-              kv_lora_rank=int(plan.kv_lora_rank),
-              qk_rope_head_dim=int(plan.qk_rope_head_dim))
-
-
-@_varying_like_inputs
-def _cpu_call(plan: DecodePlan, *args, q_axis_added: bool = False):
-  call = jax.ffi.ffi_call(_ffi.CPU_TARGET, _out_types(args[0], plan.kv_lora_rank),
-                          input_layouts=_operand_layouts(q_axis_added, len(args)))
-  return tuple(call(*args, **_attrs(plan)))
-
-
-@_varying_like_inputs
-def _cuda_call(plan: DecodePlan, *args, q_axis_added: bool = False):
-  if plan.kv_lora_rank != 512 or plan.qk_rope_head_dim != 64:
-    raise ValueError("backend 'cuda' needs kv_lora_rank=512 and qk_rope_head_dim=64, got "
-                     f"{plan.kv_lora_rank} and {plan.qk_rope_head_dim}; use backend 'cpu' or 'xla'")
-  q_nope = args[0]
-  b, q, h = q_nope.shape[:3]
-  scratch = split_kv_scratch(b, q * h, plan.kv_lora_rank)
-  res = jax.ffi.ffi_call(_ffi.CUDA_TARGET, _out_types(q_nope, plan.kv_lora_rank) + scratch,
-                         input_layouts=_operand_layouts(q_axis_added, len(args)))(
-      *args, max_num_splits=int(plan.max_num_splits or 0), **_attrs(plan))
-  return res[0], res[1]
-
-
-def _xla_call(plan: DecodePlan, *args, q_axis_added: bool = False):
-  del q_axis_added  # XLA picks its own layouts
-  return paged_decode_xla(DecodeInputs(*args, query_had_q_axis=True), plan)
-
-
-def _local_decode(plan: DecodePlan, *args, q_axis_added: bool = False):
-  """One device's decode on local (possibly sharded) operands.
-
-  q_axis_added: the caller's query had no Q axis (see _operand_layouts).
-  """
-  backend = plan.backend
-  if backend == "xla":
-    return _xla_call(plan, *args)
-  _ffi.require_extension()
-  if backend == "cpu":
-    return _cpu_call(plan, *args, q_axis_added=q_axis_added)
-  if backend == "cuda":
-    if not _ffi.has_cuda_kernels():
-      raise RuntimeError("backend 'cuda': mla_jax was built without CUDA kernels "
-                         "(no CUDA toolkit at build time, or MLA_JAX_CUDA=0)")
-    return _cuda_call(plan, *args, q_axis_added=q_axis_added)
-  # "auto": the lowering platform picks the branch; nothing else is lowered.
-  # Every branch is traced, so a GPU branch the kernels cannot serve (widths
-  # other than 512/64, or no CUDA kernels built) falls back to XLA.
-  kernel_ok = _ffi.has_cuda_kernels() and (plan.kv_lora_rank, plan.qk_rope_head_dim) == (512, 64)
-  cuda = (functools.partial(_cuda_call, plan, q_axis_added=q_axis_added) if kernel_ok
-          else functools.partial(_xla_call, plan))
-  return jax.lax.platform_dependent(
-      *args, cpu=functools.partial(_cpu_call, plan, q_axis_added=q_axis_added), cuda=cuda,
-      default=functools.partial(_xla_call, plan))
-
-
-# --- sharding (mla_jax/_sharding.py) ------------------------------------------
-# Batch (B) and heads (H) of the query may be sharded; every request's rows
-# are independent, so each device runs the kernel on its own slice with no
-# communication. The cache, page axis of the block table and feature dims
-# stay whole (they are replicated when sharded).
-_SHARDY_RULE = "b q h d, b q h r, p s c, p s k, b t, b, z -> b q h e, b q h"
-
-
 def _shardings(mesh, batch_axis, head_axis):
+  # Batch (B) and heads (H) of the query may be sharded; every request's
+  # rows are independent, so each device runs the kernel on its own slice
+  # with no communication. The cache, the page axis of the block table and
+  # the feature dims stay whole (replicated when sharded).
   ns = lambda *spec: NamedSharding(mesh, PartitionSpec(*spec))
   args = (ns(batch_axis, None, head_axis, None), ns(batch_axis, None, head_axis, None),
           ns(), ns(), ns(batch_axis, None), ns(batch_axis), ns())
@@ -94,38 +29,61 @@ def _shardings(mesh, batch_axis, head_axis):
   return args, outs
 
 
-def _bind(plan: DecodePlan, q_axis_added: bool):
-  return functools.partial(_local_decode, plan, q_axis_added=q_axis_added)
+def _facts(call: _op.Call, args):
+  plan = call.plan
+  q_nope, _, ckv = args[:3]
+  b, q, h = q_nope.shape[:3]
+  return kernels.facts(op="paged", q_dtype=q_nope.dtype, kv_dtype=ckv.dtype, kv_format="bf16",
+                       kv_lora_rank=plan.kv_lora_rank, qk_rope_head_dim=plan.qk_rope_head_dim,
+                       page_size=plan.page_size, q_len=q, num_heads=h, batch=b, num_pages=ckv.shape[0])
 
 
-# _partitioned_decode(plan, q_axis_added, q_nope, q_pe, ckv, kpe, block_table, seq_lens, kv_scale)
-_partitioned_decode = _sharding.partitioned_op(_bind, _shardings, _SHARDY_RULE, num_static=2)
+def _kernel_shape(call: _op.Call, q_nope):
+  b, q, h = q_nope.shape[:3]
+  return b, q * h
 
 
-def _sharded_decode(plan: DecodePlan, *args, q_axis_added: bool = False):
-  """The op in every JAX sharding mode (see _sharding.dispatch)."""
-  return _sharding.dispatch(args, local=_bind(plan, q_axis_added),
-                            partitioned=functools.partial(_partitioned_decode, plan, q_axis_added),
-                            shardings=_shardings)
+def _xla(call: _op.Call, *args):
+  return paged_decode_xla(DecodeInputs(*args, query_had_q_axis=True), call.plan)
 
 
-# --- vmap and autodiff --------------------------------------------------------
-@functools.cache
-def _decode_fn(plan: DecodePlan, q_axis_added: bool = False):
-  """The op for one plan: vmap folds into the batch, autodiff is refused.
+SPEC = _op.OpSpec(
+    name="paged_decode",
+    cpu_target=_ffi.CPU_TARGET,
+    cuda_target=_ffi.CUDA_TARGET,
+    per_request=(0, 1, 4, 5),  # q_nope, q_pe, block_table, seq_lens
+    sharding_rule="b q h d, b q h r, p s c, p s k, b t, b, z -> b q h e, b q h",
+    shardings=_shardings,
+    attrs=lambda c: dict(sm_scale=np.float32(c.plan.sm_scale), causal=bool(c.plan.causal),
+                         kv_lora_rank=int(c.plan.kv_lora_rank),
+                         qk_rope_head_dim=int(c.plan.qk_rope_head_dim)),
+    cuda_attrs=lambda c: dict(max_num_splits=int(c.plan.max_num_splits or 0)),
+    facts=_facts,
+    kernel_shape=_kernel_shape,
+    xla=_xla,
+    cuda_serves=lambda c: (c.plan.kv_lora_rank, c.plan.qk_rope_head_dim) == (512, 64),
+    dv=lambda c: c.plan.kv_lora_rank,
+)
 
-  q_axis_added: the caller's query had no Q axis (normalize added it); the
-  kernel then takes the query in the reshape's layout (_operand_layouts).
-  """
 
-  @jax.custom_batching.custom_vmap
-  def decode(q_nope, q_pe, ckv, kpe, block_table, seq_lens, kv_scale):
-    return _sharded_decode(plan, q_nope, q_pe, ckv, kpe, block_table, seq_lens, kv_scale,
-                           q_axis_added=q_axis_added)
+def explain_call(plan: DecodePlan, query, kv_cache, block_table, seq_lens, *, kv_scale=None, device=None,
+                 return_lse: bool = False):
+  """mla_jax.explain for paged_decode's arguments."""
+  del return_lse  # the kernels always compute the LSE
+  found = []
 
-  # q_nope, q_pe, block_table, seq_lens have a leading B axis
-  decode.def_vmap(fold_into_batch(decode, per_request=(0, 1, 4, 5)))
-  return inference_only(decode, "paged_decode")
+  def trace(query, kv_cache, block_table, seq_lens, kv_scale):  # shapes only: nothing runs
+    inputs = normalize(query, kv_cache, block_table, seq_lens, plan, kv_scale)
+    found.append(_op.explain(SPEC, _op.Call(plan, not inputs.query_had_q_axis), _operands(inputs), device))
+    return 0
+
+  jax.eval_shape(trace, query, kv_cache, block_table, seq_lens, kv_scale)
+  return found[0]
+
+
+def _operands(inputs: DecodeInputs):
+  return (inputs.q_nope, inputs.q_pe, inputs.ckv, inputs.kpe, inputs.block_table, inputs.seq_lens,
+          inputs.kv_scale)
 
 
 @functools.partial(jax.jit, static_argnames=("plan", "return_lse"))
@@ -185,10 +143,5 @@ def paged_decode(query, kv_cache, block_table, seq_lens, *, plan: DecodePlan,
       registered for that platform).
   """
   inputs = normalize(query, kv_cache, block_table, seq_lens, plan, kv_scale)
-  decode = _decode_fn(plan, not inputs.query_had_q_axis)
-  out, lse = decode(inputs.q_nope, inputs.q_pe, inputs.ckv, inputs.kpe, inputs.block_table,
-                    inputs.seq_lens, inputs.kv_scale)
-  if not inputs.query_had_q_axis:  # reshapes lower to bitcasts: no copy
-    out = out.reshape(out.shape[:1] + out.shape[2:])
-    lse = lse.reshape(lse.shape[:1] + lse.shape[2:])
-  return (out, lse) if return_lse else out
+  call = _op.Call(plan, not inputs.query_had_q_axis)
+  return _op.run(SPEC, call, _operands(inputs), inputs.query_had_q_axis, return_lse)

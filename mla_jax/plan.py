@@ -7,6 +7,8 @@ import math
 
 import numpy as np
 
+from .kernels import KernelChoice, as_kernel_choice
+
 BACKENDS = ("auto", "cuda", "cpu", "xla")
 
 _F32 = np.finfo(np.float32)
@@ -61,6 +63,10 @@ class DecodePlan:
       requests spread within 5 % of an equal share).
     backend: "auto" (cuda on a GPU, cpu otherwise), "cuda", "cpu", or "xla"
       (the pure-JAX reference formulation).
+    kernel: which CUDA kernels serve the call: "auto" (chosen from the
+      call's static facts, see :func:`mla_jax.explain`), a kernel name
+      ("portable", "sm90_lockstep", "sm90_seesaw"), or a
+      :class:`mla_jax.KernelChoice`; stored as a KernelChoice.
 
   Integer and float fields accept NumPy scalars and store Python numbers.
 
@@ -78,6 +84,7 @@ class DecodePlan:
   qk_rope_head_dim: int = 64
   max_num_splits: int | None = None
   backend: str = "auto"
+  kernel: KernelChoice | str = "auto"
 
   def __post_init__(self):
     _int = lambda name, lo, hi: _check_int(self, name, lo, hi)
@@ -95,6 +102,7 @@ class DecodePlan:
       raise TypeError(f"DecodePlan.causal must be a bool, got {type(self.causal).__name__}")
     if self.backend not in BACKENDS:
       raise ValueError(f"DecodePlan.backend must be one of {BACKENDS}, got {self.backend!r}")
+    object.__setattr__(self, "kernel", as_kernel_choice(self.kernel, "DecodePlan"))
 
   @property
   def head_dim_qk(self) -> int:
@@ -127,6 +135,9 @@ class SparseDecodePlan:
       ``[P, S, 656]`` rows from :func:`mla_jax.quantize_latent_fp8`.
     backend: "auto" (cuda on a GPU, cpu otherwise), "cuda", "cpu", or "xla"
       (the pure-JAX reference formulation).
+    kernel: which CUDA kernels serve the call, as for
+      :class:`DecodePlan` (sparse calls run "portable" or, with more than
+      32 heads on sm_90, "sm90_lockstep").
 
   The latent widths are fixed by the fp8_ds_mla layout: ``kv_lora_rank`` is
   512 and ``qk_rope_head_dim`` 64 (read-only properties).
@@ -143,6 +154,7 @@ class SparseDecodePlan:
   q_len: int = 1
   kv_format: str = "bf16"
   backend: str = "auto"
+  kernel: KernelChoice | str = "auto"
 
   def __post_init__(self):
     _int = lambda name, lo, hi: _check_int(self, name, lo, hi)
@@ -157,6 +169,7 @@ class SparseDecodePlan:
       raise ValueError(f"SparseDecodePlan.kv_format must be one of {KV_FORMATS}, got {self.kv_format!r}")
     if self.backend not in BACKENDS:
       raise ValueError(f"SparseDecodePlan.backend must be one of {BACKENDS}, got {self.backend!r}")
+    object.__setattr__(self, "kernel", as_kernel_choice(self.kernel, "SparseDecodePlan"))
 
   @property
   def kv_lora_rank(self) -> int:

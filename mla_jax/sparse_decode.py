@@ -8,86 +8,21 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from . import _ffi, _sharding
-from ._kernel_call import fold_into_batch, inference_only, kernel_out_types as _out_types, operand_layouts as _operand_layouts, varying_like_inputs as _varying_like_inputs
-from ._scratch import split_kv_scratch
+from . import _ffi, _op, kernels
 from ._inputs import SparseInputs, normalize_sparse
 from .plan import SparseDecodePlan
 from .sparse_reference import sparse_decode_xla
 
 # Operand order of every backend: (q_nope, q_pe, kv, indices, topk_lens,
 # attn_sink, kv_scale); results (out [B, Q, H, 512], lse [B, Q, H]).
-_KV_FORMAT_CODES = {"bf16": 0, "fp8_ds_mla": 1}   # KvFormat in csrc/common/mla_params.h
-
-
-def _attrs(plan: SparseDecodePlan, has_sink: bool):
-  return dict(sm_scale=np.float32(plan.sm_scale), kv_format=_KV_FORMAT_CODES[plan.kv_format],
-              has_sink=bool(has_sink), kv_lora_rank=int(plan.kv_lora_rank),
-              qk_rope_head_dim=int(plan.qk_rope_head_dim))
-
-
-@_varying_like_inputs
-def _cpu_call(plan: SparseDecodePlan, has_sink: bool, q_axis_added: bool, *args):
-  call = jax.ffi.ffi_call(_ffi.SPARSE_CPU_TARGET, _out_types(args[0], plan.kv_lora_rank),
-                          input_layouts=_operand_layouts(q_axis_added, len(args)))
-  return tuple(call(*args, **_attrs(plan, has_sink)))
-
-
-@_varying_like_inputs
-def _cuda_call(plan: SparseDecodePlan, has_sink: bool, q_axis_added: bool, *args):
-  # Same operands and attributes as the CPU target, plus the split-KV
-  # scratch: every query token is one kernel request of H rows.
-  b, q, h = args[0].shape[:3]
-  scratch = split_kv_scratch(b * q, h, plan.kv_lora_rank)
-  call = jax.ffi.ffi_call(_ffi.SPARSE_CUDA_TARGET, _out_types(args[0], plan.kv_lora_rank) + scratch,
-                          input_layouts=_operand_layouts(q_axis_added, len(args)))
-  res = call(*args, **_attrs(plan, has_sink))
-  return res[0], res[1]
-
-
-def _xla_call(plan: SparseDecodePlan, has_sink: bool, q_axis_added: bool, *args):
-  del q_axis_added  # XLA picks its own layouts
-  return sparse_decode_xla(SparseInputs(*args, has_sink=has_sink, query_had_q_axis=True), plan)
-
-
-def _has_cuda_sparse() -> bool:
-  return _ffi.has_cuda_kernels() and _ffi.has_cuda_target(_ffi.SPARSE_CUDA_TARGET)
-
-
-def _local_sparse(plan: SparseDecodePlan, has_sink: bool, q_axis_added: bool, *args):
-  """One device's sparse decode on 4-D query / 3-D index operands.
-
-  q_axis_added: the caller's query had no Q axis (see _operand_layouts).
-  """
-  static = (plan, has_sink, q_axis_added)
-  backend = plan.backend
-  if backend == "xla":
-    return _xla_call(*static, *args)
-  _ffi.require_extension()
-  if backend == "cpu":
-    return _cpu_call(*static, *args)
-  if backend == "cuda":
-    if not _has_cuda_sparse():
-      raise RuntimeError("backend 'cuda': this mla_jax build has no CUDA sparse decode kernel "
-                         "(no CUDA toolkit at build time, or MLA_JAX_CUDA=0)")
-    return _cuda_call(*static, *args)
-  # "auto": the lowering platform picks the branch; nothing else is lowered.
-  cuda = _cuda_call if _has_cuda_sparse() else _xla_call
-  return jax.lax.platform_dependent(
-      *args, cpu=functools.partial(_cpu_call, *static),
-      cuda=functools.partial(cuda, *static),
-      default=functools.partial(_xla_call, *static))
-
-
-# --- sharding (mla_jax/_sharding.py) ------------------------------------------
-# Batch (B: query, indices, topk_lens) and heads (H: query, attn_sink) may be
-# sharded; every query token's rows are independent, so each device runs the
-# kernel on its own slice with no communication. The cache, the top-k axis of
-# the indices and feature dims stay whole (they are replicated when sharded).
-_SHARDY_RULE = "b q h d, b q h r, p s c, b q k, b, h, z -> b q h e, b q h"
 
 
 def _shardings(mesh, batch_axis, head_axis):
+  # Batch (B: query, indices, topk_lens) and heads (H: query, attn_sink) may
+  # be sharded; every query token's rows are independent, so each device
+  # runs the kernel on its own slice with no communication. The cache, the
+  # top-k axis of the indices and feature dims stay whole (replicated when
+  # sharded).
   ns = lambda *spec: NamedSharding(mesh, PartitionSpec(*spec))
   query = ns(batch_axis, None, head_axis, None)
   args = (query, query, ns(), ns(batch_axis, None, None), ns(batch_axis), ns(head_axis), ns())
@@ -95,39 +30,58 @@ def _shardings(mesh, batch_axis, head_axis):
   return args, outs
 
 
-def _bind(plan: SparseDecodePlan, has_sink: bool, q_axis_added: bool):
-  return functools.partial(_local_sparse, plan, has_sink, q_axis_added)
+def _facts(call: _op.Call, args):
+  plan = call.plan
+  q_nope, _, kv = args[:3]
+  b, q, h = q_nope.shape[:3]
+  return kernels.facts(op="sparse", q_dtype=q_nope.dtype, kv_dtype=kv.dtype, kv_format=plan.kv_format,
+                       kv_lora_rank=plan.kv_lora_rank, qk_rope_head_dim=plan.qk_rope_head_dim,
+                       page_size=plan.page_size, q_len=q, num_heads=h, batch=b, num_pages=kv.shape[0])
 
 
-# _partitioned_sparse(plan, has_sink, q_axis_added, q_nope, q_pe, kv, indices, topk_lens,
-#                     attn_sink, kv_scale)
-_partitioned_sparse = _sharding.partitioned_op(_bind, _shardings, _SHARDY_RULE, num_static=3)
+def _kernel_shape(call: _op.Call, q_nope):
+  b, q, h = q_nope.shape[:3]
+  return b * q, h  # every query token is one kernel request of H rows
 
 
-def _sharded_sparse(plan: SparseDecodePlan, has_sink: bool, q_axis_added: bool, *args):
-  """The op in every JAX sharding mode (see _sharding.dispatch)."""
-  static = (plan, has_sink, q_axis_added)
-  return _sharding.dispatch(args, local=_bind(*static),
-                            partitioned=functools.partial(_partitioned_sparse, *static),
-                            shardings=_shardings)
+def _xla(call: _op.Call, *args):
+  return sparse_decode_xla(SparseInputs(*args, has_sink=call.has_sink, query_had_q_axis=True), call.plan)
 
 
-# --- vmap and autodiff --------------------------------------------------------
-@functools.cache
-def _sparse_fn(plan: SparseDecodePlan, has_sink: bool, q_axis_added: bool = False):
-  """The op for one plan: vmap folds into the batch, autodiff is refused.
+SPEC = _op.OpSpec(
+    name="sparse_decode",
+    cpu_target=_ffi.SPARSE_CPU_TARGET,
+    cuda_target=_ffi.SPARSE_CUDA_TARGET,
+    per_request=(0, 1, 3, 4),  # q_nope, q_pe, indices, topk_lens
+    sharding_rule="b q h d, b q h r, p s c, b q k, b, h, z -> b q h e, b q h",
+    shardings=_shardings,
+    attrs=lambda c: dict(sm_scale=np.float32(c.plan.sm_scale),
+                         kv_format=kernels.KV_FORMAT_CODES[c.plan.kv_format], has_sink=bool(c.has_sink),
+                         kv_lora_rank=int(c.plan.kv_lora_rank),
+                         qk_rope_head_dim=int(c.plan.qk_rope_head_dim)),
+    cuda_attrs=lambda c: {},
+    facts=_facts,
+    kernel_shape=_kernel_shape,
+    xla=_xla,
+    cuda_serves=lambda c: True,  # the sparse plan fixes the widths at 512 + 64
+    dv=lambda c: c.plan.kv_lora_rank,
+)
 
-  q_axis_added: the caller's query had no Q axis (normalize added it).
-  """
 
-  @jax.custom_batching.custom_vmap
-  def decode(q_nope, q_pe, kv, indices, topk_lens, attn_sink, kv_scale):
-    return _sharded_sparse(plan, has_sink, q_axis_added, q_nope, q_pe, kv, indices, topk_lens,
-                           attn_sink, kv_scale)
+def explain_call(plan: SparseDecodePlan, query, kv_cache, indices, *, topk_lens=None, attn_sink=None,
+                 device=None, return_lse: bool = False):
+  """mla_jax.explain for sparse_decode's arguments."""
+  del return_lse  # the kernels always compute the LSE
+  found = []
 
-  # q_nope, q_pe, indices, topk_lens have a leading B axis
-  decode.def_vmap(fold_into_batch(decode, per_request=(0, 1, 3, 4)))
-  return inference_only(decode, "sparse_decode")
+  def trace(query, kv_cache, indices, topk_lens, attn_sink):  # shapes only: nothing runs
+    inputs = normalize_sparse(query, kv_cache, indices, topk_lens, attn_sink, plan)
+    call = _op.Call(plan, not inputs.query_had_q_axis, inputs.has_sink)
+    found.append(_op.explain(SPEC, call, inputs.operands, device))
+    return 0
+
+  jax.eval_shape(trace, query, kv_cache, indices, topk_lens, attn_sink)
+  return found[0]
 
 
 @functools.partial(jax.jit, static_argnames=("plan", "return_lse"))
@@ -184,8 +138,5 @@ def sparse_decode(query, kv_cache, indices, *, plan: SparseDecodePlan, topk_lens
       registered for that platform).
   """
   inputs = normalize_sparse(query, kv_cache, indices, topk_lens, attn_sink, plan)
-  out, lse = _sparse_fn(plan, inputs.has_sink, not inputs.query_had_q_axis)(*inputs.operands)
-  if not inputs.query_had_q_axis:  # reshapes lower to bitcasts: no copy
-    out = out.reshape(out.shape[:1] + out.shape[2:])
-    lse = lse.reshape(lse.shape[:1] + lse.shape[2:])
-  return (out, lse) if return_lse else out
+  call = _op.Call(plan, not inputs.query_had_q_axis, inputs.has_sink)
+  return _op.run(SPEC, call, inputs.operands, inputs.query_had_q_axis, return_lse)

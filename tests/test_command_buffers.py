@@ -85,15 +85,20 @@ def trajectory():
   return inputs, states
 
 
-def _child(out_path):
-  """Runs both loops under the XLA_FLAGS of this process; saves the results."""
+def _child(out_path, programmatic_combine=""):
+  """Runs both loops under the XLA_FLAGS of this process; saves the results.
+
+  programmatic_combine: "on" or "off" forces the combine's launch
+  (KernelChoice.programmatic_combine); empty: the plan's default."""
   import jax
   import jax.numpy as jnp
 
   import mla_jax
   from mla_jax import _ffi
 
-  plan = mla_jax.DecodePlan(num_heads=H, page_size=PAGE, sm_scale=SM_SCALE, backend="auto")
+  kernel = (mla_jax.KernelChoice(programmatic_combine=programmatic_combine == "on")
+            if programmatic_combine else "auto")
+  plan = mla_jax.DecodePlan(num_heads=H, page_size=PAGE, sm_scale=SM_SCALE, backend="auto", kernel=kernel)
   inputs, _ = trajectory()
   bf = lambda x: jnp.asarray(x, jnp.bfloat16)
   rows = jnp.arange(B)
@@ -190,7 +195,7 @@ def _command_buffer_evidence(dump_dir, loop):
   return hits
 
 
-def _run_mode(mode, tmp_path):
+def _run_mode(mode, tmp_path, programmatic_combine=""):
   dump = tmp_path / f"dump_{mode}"
   env = dict(os.environ)
   env["XLA_FLAGS"] = " ".join(filter(None, [
@@ -198,7 +203,7 @@ def _run_mode(mode, tmp_path):
       "--xla_dump_hlo_module_re=.*(scan|fori)_loop.*"]))
   env.pop("JAX_PLATFORMS", None)
   out_path = tmp_path / f"{mode}.npz"
-  proc = subprocess.run([sys.executable, __file__, str(out_path)], env=env,
+  proc = subprocess.run([sys.executable, __file__, str(out_path), programmatic_combine], env=env,
                         capture_output=True, text=True, timeout=900)
   assert proc.returncode == 0, f"mode {mode}: child failed\n{proc.stdout}\n{proc.stderr[-4000:]}"
   res = dict(np.load(out_path))
@@ -270,20 +275,18 @@ def test_decode_loop_with_and_without_command_buffers(reference, tmp_path):
 
 
 @pytest.mark.gpu
-def test_decode_loop_in_command_buffers_with_programmatic_combine(reference, tmp_path, monkeypatch):
-  # MLA_JAX_PDL=1 (csrc/common/pdl.h): captured into the CUDA graph, the
-  # combine's programmatic launch becomes a programmatic edge; the results
-  # must be those of the plain launch, bit for bit.
+def test_decode_loop_in_command_buffers_with_programmatic_combine(reference, tmp_path):
+  # A forced programmatic combine launch (csrc/smxx/pdl.cuh): captured into
+  # the CUDA graph, it becomes a programmatic edge; the results must be
+  # those of the plain launch, bit for bit.
   (tmp_path / "plain").mkdir()
   (tmp_path / "pdl").mkdir()
-  monkeypatch.setenv("MLA_JAX_PDL", "0")
-  _, plain = _run_mode("on", tmp_path / "plain")
-  monkeypatch.setenv("MLA_JAX_PDL", "1")  # the child process inherits it
-  info, res = _run_mode("on", tmp_path / "pdl")
+  _, plain = _run_mode("on", tmp_path / "plain", "off")
+  info, res = _run_mode("on", tmp_path / "pdl", "on")
   _check_run("on", info, res, reference)
   for key in plain:
     np.testing.assert_array_equal(res[key], plain[key], err_msg=key)
 
 
 if __name__ == "__main__":
-  _child(sys.argv[1])
+  _child(*sys.argv[1:])

@@ -5,6 +5,7 @@ the kernels forget to write shows up as NaN) and compares to the float64
 reference on fresh random data.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -18,6 +19,17 @@ from mla_jax.testing import random_paged_inputs, reference_paged_decode
 pytestmark = pytest.mark.gpu
 
 SM_SCALE = 1 / 192**0.5
+KernelChoice = mla_jax.KernelChoice
+
+
+def cuda_num_parts(rows):
+  """Partitions the schedule uses on the visible GPU for `rows` query rows."""
+  return mla_jax.kernels.workspace_parts(rows, mla_jax.kernels.visible_cuda_device())
+
+
+def _hopper_kernels_available():
+  device = mla_jax.kernels.visible_cuda_device()
+  return device is not None and device.arch // 10 == 9 and mla_jax._ffi.ext().has_sm90a()
 
 
 def _poison_allocator():
@@ -154,27 +166,25 @@ def test_deterministic_and_matches_cpu_backend():
 
 
 @pytest.fixture(params=["default", "scheduler_kernel", "lockstep", "portable"])
-def kernel_choice(request, monkeypatch):
-  """Runs a test with each kernel that can serve 64-row blocks on sm_90: the
-  default (the seesaw wgmma kernel where the cache loads with TMA, i.e.
-  page_size a multiple of 64, else the lock-step wgmma kernel; the seesaw
-  schedules batches of up to 32 requests itself), MLA_JAX_SCHEDULER_KERNEL=1
-  (the same with the scheduler kernel for every batch),
-  MLA_JAX_SM90_LOCKSTEP=1 (the lock-step kernel everywhere, TMA or cp.async
-  loads) and MLA_JAX_PORTABLE_KERNEL=1 (the mma.sync kernel). The handler
-  reads the variables on every call; clearing JAX's caches keeps a command
-  buffer recorded under another setting from being replayed."""
-  for name in ("MLA_JAX_PORTABLE_KERNEL", "MLA_JAX_SM90_LOCKSTEP", "MLA_JAX_SCHEDULER_KERNEL"):
-    monkeypatch.delenv(name, raising=False)
-  if request.param == "portable":
-    monkeypatch.setenv("MLA_JAX_PORTABLE_KERNEL", "1")
-  elif request.param == "lockstep":
-    monkeypatch.setenv("MLA_JAX_SM90_LOCKSTEP", "1")
-  elif request.param == "scheduler_kernel":
-    monkeypatch.setenv("MLA_JAX_SCHEDULER_KERNEL", "1")
-  jax.clear_caches()
-  yield request.param
-  jax.clear_caches()
+def kernel_choice(request):
+  """Runs a test with each kernel that can serve 64-row blocks on sm_90,
+  forced through the plan: the default (the seesaw wgmma kernel where the
+  cache loads with TMA, i.e. page_size a multiple of 64, else the lock-step
+  wgmma kernel; the seesaw schedules its own splits), schedule "kernel"
+  (the same with the scheduler kernel for every batch), "sm90_lockstep"
+  (the lock-step kernel everywhere, TMA or cp.async loads; the portable
+  kernel for 32 rows or fewer, which it does not serve) and "portable" (the
+  mma.sync kernel). Yields rows -> KernelChoice for a call with `rows`
+  query rows per request (q_len x heads)."""
+  if request.param == "lockstep" and not _hopper_kernels_available():
+    pytest.skip("the lock-step kernel needs an sm_90 GPU and a build with sm_90a code")
+  choices = {
+      "default": lambda rows: KernelChoice(),
+      "scheduler_kernel": lambda rows: KernelChoice(schedule="kernel"),
+      "lockstep": lambda rows: KernelChoice(kernel="sm90_lockstep" if rows > 32 else "portable"),
+      "portable": lambda rows: KernelChoice(kernel="portable"),
+  }
+  return choices[request.param]
 
 
 @pytest.mark.parametrize("heads,q_len,page_size,dtype", [
@@ -192,26 +202,22 @@ def test_64_row_blocks_both_kernels(kernel_choice, heads, q_len, page_size, dtyp
   lens = [0, 1, q_len, 63, 64, 65, max(page_size - 1, 1), page_size + 1, 2500, 11000]
   d = random_paged_inputs(rng, lens, num_heads=heads, page_size=page_size, q_len=q_len)
   plan = mla_jax.DecodePlan(num_heads=heads, page_size=page_size, sm_scale=SM_SCALE, q_len=q_len,
-                            backend="cuda")
+                            backend="cuda", kernel=kernel_choice(heads * q_len))
   _check(*_run(d, plan, dtype))
 
 
-def _check_same_bits_with_scheduler_kernel(monkeypatch, d, plan):
-  # The kernel's own schedule (MLA_JAX_SCHEDULER_KERNEL=0) against the
-  # scheduler kernel's (=1): checked against the reference, then bit for bit.
-  results = []
-  for flag in ("0", "1"):
-    monkeypatch.setenv("MLA_JAX_SCHEDULER_KERNEL", flag)
-    jax.clear_caches()
-    results.append(_run(d, plan, jnp.bfloat16))
-  jax.clear_caches()
+def _check_same_bits_with_scheduler_kernel(d, plan):
+  # The kernel's own schedule against the scheduler kernel's (schedule
+  # "kernel"): checked against the reference, then bit for bit.
+  results = [_run(d, dataclasses.replace(plan, kernel=KernelChoice(schedule=schedule)), jnp.bfloat16)
+             for schedule in ("auto", "kernel")]
   _check(*results[0])
   np.testing.assert_array_equal(results[0][0], results[1][0])
   np.testing.assert_array_equal(results[0][1], results[1][1])
 
 
 @pytest.mark.parametrize("heads,max_num_splits", [(128, None), (128, 3), (16, None)])
-def test_inline_schedule_matches_scheduler_kernel_bitwise(monkeypatch, heads, max_num_splits):
+def test_inline_schedule_matches_scheduler_kernel_bitwise(heads, max_num_splits):
   # Batches of up to 32 requests are scheduled inside the decode kernel on
   # sm_90 (elsewhere both runs take the scheduler kernel): the same items in
   # the same order, so the outputs must agree bit for bit.
@@ -219,7 +225,7 @@ def test_inline_schedule_matches_scheduler_kernel_bitwise(monkeypatch, heads, ma
   d = random_paged_inputs(rng, [0, 1, 700, 9000, 64, 3000, 20000], num_heads=heads, page_size=64)
   plan = mla_jax.DecodePlan(num_heads=heads, page_size=64, sm_scale=SM_SCALE, backend="cuda",
                             max_num_splits=max_num_splits)
-  _check_same_bits_with_scheduler_kernel(monkeypatch, d, plan)
+  _check_same_bits_with_scheduler_kernel(d, plan)
 
 
 @pytest.mark.parametrize("heads,q_len,lens,max_num_splits", [
@@ -231,13 +237,11 @@ def test_inline_schedule_matches_scheduler_kernel_bitwise(monkeypatch, heads, ma
     (64, 1, "bad40", None),        # empty, invalid and bad-page requests
     (16, 1, "short40", None),      # 40 short requests: most of the 132 partitions get no item
 ])
-def test_schedule_in_decode_matches_scheduler_kernel_bitwise(monkeypatch, heads, q_len, lens, max_num_splits):
+def test_schedule_in_decode_matches_scheduler_kernel_bitwise(heads, q_len, lens, max_num_splits):
   # Batches of more than 32 requests are scheduled inside every CTA of the
-  # seesaw kernel on sm_90 (csrc/sm80/schedule_block.cuh, the scheduler
-  # kernel's own code); MLA_JAX_SCHEDULER_KERNEL=1 runs the scheduler kernel
-  # instead. The same items in the same order: the outputs agree bit for bit.
-  for name in ("MLA_JAX_PORTABLE_KERNEL", "MLA_JAX_SM90_LOCKSTEP"):
-    monkeypatch.delenv(name, raising=False)
+  # seesaw kernel on sm_90 (csrc/smxx/schedule_block.cuh, the scheduler
+  # kernel's own code); schedule "kernel" runs the scheduler kernel instead.
+  # The same items in the same order: the outputs agree bit for bit.
   rng = np.random.default_rng(41 + heads + q_len)
   kind, batch = lens.rstrip("0123456789"), int(lens.lstrip("abcdefghijklmnopqrstuvwxyz"))
   if kind == "equal":
@@ -256,7 +260,7 @@ def test_schedule_in_decode_matches_scheduler_kernel_bitwise(monkeypatch, heads,
     d["block_table"][9, 3] = d["kv_cache"].shape[0] + 1
   plan = mla_jax.DecodePlan(num_heads=heads, page_size=64, sm_scale=SM_SCALE, q_len=q_len,
                             causal=q_len > 1, backend="cuda", max_num_splits=max_num_splits)
-  _check_same_bits_with_scheduler_kernel(monkeypatch, d, plan)
+  _check_same_bits_with_scheduler_kernel(d, plan)
 
 
 def test_bad_page_in_split_request_many_rows():
@@ -287,10 +291,10 @@ def test_bad_page_in_split_request_few_splits():
 
 
 @pytest.mark.parametrize("heads,q_len", [(12, 2), (128, 1)])
-def test_combine_grids(monkeypatch, heads, q_len):
-  # The combine has three grids (csrc/sm80/combine.cu), chosen by the number
-  # of (request, row) pairs and of splits per request; MLA_JAX_COMBINE_GRID
-  # forces each on the same split schedule: a bad page in a split request
+def test_combine_grids(heads, q_len):
+  # The combine has three grids (csrc/smxx/combine.cu), chosen by the number
+  # of (request, row) pairs and of splits per request; the plan's
+  # KernelChoice.combine_grid forces each on the same split schedule: a bad page in a split request
   # (NaN), an empty request (-inf LSE), a zero-length neighbour, long and
   # short requests. The two warp grids add the splits in the same order, so
   # they agree bit for bit.
@@ -302,62 +306,48 @@ def test_combine_grids(monkeypatch, heads, q_len):
                             causal=q_len > 1, backend="cuda")
   results = {}
   for grid in ("block", "rows", "slices"):
-    monkeypatch.setenv("MLA_JAX_COMBINE_GRID", grid)
-    jax.clear_caches()
-    results[grid] = _run(d, plan, jnp.bfloat16)
+    results[grid] = _run(d, dataclasses.replace(plan, kernel=KernelChoice(combine_grid=grid)), jnp.bfloat16)
     _check(*results[grid])
-  monkeypatch.delenv("MLA_JAX_COMBINE_GRID")
-  jax.clear_caches()
   ref_lse = results["rows"][3]  # the inputs reach the NaN and -inf paths (checked by _check above)
   assert np.isnan(ref_lse[3]).all() and np.isneginf(ref_lse[2]).all()
   np.testing.assert_array_equal(results["rows"][0], results["slices"][0])
   np.testing.assert_array_equal(results["rows"][1], results["slices"][1])
 
 
-@pytest.mark.parametrize("kernel_env", [None, "MLA_JAX_SCHEDULER_KERNEL", "MLA_JAX_PORTABLE_KERNEL"])
+@pytest.mark.parametrize("base", [KernelChoice(), KernelChoice(schedule="kernel"), KernelChoice(kernel="portable")])
 @pytest.mark.parametrize("lens,heads", [([4096], 128), ([42000] * 3 + [5, 0], 12), ([700, 90, 3000] * 20, 32)])
-def test_programmatic_combine_launch_matches_plain_bitwise(monkeypatch, lens, heads, kernel_env):
-  # MLA_JAX_PDL=1 lets the combine's CTAs be dispatched while the decode
-  # kernel runs (csrc/common/pdl.h); they wait for it before reading, so the
-  # bits must be those of the plain launch (MLA_JAX_PDL=0), and so must the
-  # default's (unset: on after the seesaw kernel above 32 requests, as for
+def test_programmatic_combine_launch_matches_plain_bitwise(lens, heads, base):
+  # A programmatic combine launch lets the combine's CTAs be dispatched
+  # while the decode kernel runs (csrc/smxx/pdl.cuh); they wait for it
+  # before reading, so the bits must be those of the plain launch, and so
+  # must the default's (on after the seesaw kernel above 32 requests, as for
   # the 60 requests here). On 132 SMs the shapes reach the block (128 pairs,
   # one request), slice (60 pairs) and row (1920 pairs) grids of the
-  # combine; kernel_env adds the scheduler-kernel and portable decode paths.
-  if kernel_env:
-    monkeypatch.setenv(kernel_env, "1")
+  # combine; `base` adds the scheduler-kernel and portable decode paths.
   rng = np.random.default_rng(43 + heads)
   d = random_paged_inputs(rng, lens, num_heads=heads, page_size=64)
   plan = mla_jax.DecodePlan(num_heads=heads, page_size=64, sm_scale=SM_SCALE, backend="cuda")
-  monkeypatch.setenv("MLA_JAX_PDL", "0")
-  jax.clear_caches()
-  plain = _run(d, plan, jnp.bfloat16)
+  with_pdl = lambda value: dataclasses.replace(plan, kernel=dataclasses.replace(base, programmatic_combine=value))
+  plain = _run(d, with_pdl(False), jnp.bfloat16)
   _check(*plain)
-  for value in ("1", None):
-    if value is None:
-      monkeypatch.delenv("MLA_JAX_PDL")
-    else:
-      monkeypatch.setenv("MLA_JAX_PDL", value)
-    jax.clear_caches()
+  for value in (True, None):
     for _ in range(3):
-      pdl = _run(d, plan, jnp.bfloat16)
-      np.testing.assert_array_equal(pdl[0], plain[0], err_msg=f"MLA_JAX_PDL={value}")
-      np.testing.assert_array_equal(pdl[1], plain[1], err_msg=f"MLA_JAX_PDL={value}")
+      pdl = _run(d, with_pdl(value), jnp.bfloat16)
+      np.testing.assert_array_equal(pdl[0], plain[0], err_msg=f"programmatic_combine={value}")
+      np.testing.assert_array_equal(pdl[1], plain[1], err_msg=f"programmatic_combine={value}")
 
 
-def test_unknown_combine_grid_is_an_error(monkeypatch):
-  # A typo in the switch must fail the call with a message that names it,
-  # not run the default grid silently.
+def test_forced_kernel_that_cannot_serve_the_call_is_an_error():
+  # A plan that forces a kernel the call's cache cannot use fails at trace
+  # time with a message naming the plan's kernel, not with a silent run of
+  # another kernel.
   rng = np.random.default_rng(41)
-  d = random_paged_inputs(rng, [3000, 70], num_heads=16, page_size=64)
-  plan = mla_jax.DecodePlan(num_heads=16, page_size=64, sm_scale=SM_SCALE, backend="cuda")
-  monkeypatch.setenv("MLA_JAX_COMBINE_GRID", "slice")
-  jax.clear_caches()
-  with pytest.raises(Exception, match="MLA_JAX_COMBINE_GRID='slice' is not one of: block, rows, slices"):
+  d = random_paged_inputs(rng, [3000, 70], num_heads=16, page_size=16)
+  plan = mla_jax.DecodePlan(num_heads=16, page_size=16, sm_scale=SM_SCALE, backend="cuda",
+                            kernel="sm90_seesaw")
+  with pytest.raises(ValueError, match="DecodePlan.kernel"):
     _run(d, plan, jnp.bfloat16)
-  monkeypatch.setenv("MLA_JAX_COMBINE_GRID", "")  # empty: the default choice
-  jax.clear_caches()
-  _check(*_run(d, plan, jnp.bfloat16))
+  _check(*_run(d, dataclasses.replace(plan, kernel="auto"), jnp.bfloat16))
 
 
 def test_64_row_blocks_bad_inputs(kernel_choice):
@@ -367,7 +357,8 @@ def test_64_row_blocks_bad_inputs(kernel_choice):
   d["block_table"][2, 0] = -7
   d["seq_lens"][3] = d["block_table"].shape[1] * 64 + 1
   d["seq_lens"][4] = -3
-  plan = mla_jax.DecodePlan(num_heads=128, page_size=64, sm_scale=SM_SCALE, backend="cuda")
+  plan = mla_jax.DecodePlan(num_heads=128, page_size=64, sm_scale=SM_SCALE, backend="cuda",
+                            kernel=kernel_choice(heads))
   out, lse, ref_out, ref_lse = _run(d, plan, jnp.bfloat16)
   assert np.isnan(ref_lse[[0, 2, 3, 4]]).all() and np.isfinite(ref_lse[1]).all()
   _check(out, lse, ref_out, ref_lse)
@@ -396,7 +387,8 @@ def test_consecutive_items_bad_pages_and_neighbour_queries(kernel_choice, heads,
   d["seq_lens"][batch - 3] = max(int(d["seq_lens"][batch - 3]), 1)
   nan_query = 7                              # a 200-token request
   d["query"][nan_query] = np.nan
-  plan = mla_jax.DecodePlan(num_heads=heads, page_size=64, sm_scale=SM_SCALE, backend="cuda")
+  plan = mla_jax.DecodePlan(num_heads=heads, page_size=64, sm_scale=SM_SCALE, backend="cuda",
+                            kernel=kernel_choice(heads))
   out, lse, ref_out, ref_lse = _run(d, plan, jnp.bfloat16)
   expect_nan = [0, 2, 4, 6, batch - 5, batch - 3]
   assert np.isnan(ref_lse[expect_nan]).all() and np.isfinite(ref_lse[[1, 5, 8]]).all()
@@ -414,7 +406,8 @@ def test_nan_in_unused_slots_of_last_page_whole_tile_loads(kernel_choice, heads,
   rng = np.random.default_rng(41 + heads + page_size)
   lens = [1, 63, 65, 127, 129, 200, 5000, 9001, 64, 128]
   d = random_paged_inputs(rng, lens, num_heads=heads, page_size=page_size)
-  plan = mla_jax.DecodePlan(num_heads=heads, page_size=page_size, sm_scale=SM_SCALE, backend="cuda")
+  plan = mla_jax.DecodePlan(num_heads=heads, page_size=page_size, sm_scale=SM_SCALE, backend="cuda",
+                            kernel=kernel_choice(heads))
   clean = _run(d, plan, jnp.bfloat16)
   _check(*clean)
   kv = d["kv_cache"]
@@ -436,12 +429,11 @@ def test_whole_request_schedule_when_balanced(heads, q_len, per_part):
   # Two requests fewer than per_part per partition, all of one length: an
   # equal share cuts most of them (the share does not line up with the
   # requests), while placed whole no partition carries more than 3 % above
-  # that share, so the schedulers cut none (csrc/sm80/schedule_math.cuh).
+  # that share, so the schedulers cut none (csrc/smxx/schedule_math.cuh).
   # The result must then equal the max_num_splits=1 schedule bit for bit; a
   # cut request goes through float32 partials and the combine instead. Two
   # per partition at 16 heads is over 256 requests: the scheduler kernel's
   # second chunk.
-  from mla_jax._scratch import cuda_num_parts
   batch = per_part * cuda_num_parts(q_len * heads) - 2
   rng = np.random.default_rng(43 + heads + batch)
   d = random_paged_inputs(rng, [1000] * batch, num_heads=heads, page_size=64, q_len=q_len)
@@ -458,7 +450,7 @@ def test_whole_request_schedule_when_balanced(heads, q_len, per_part):
 def _snake_case_lengths(rng, parts, layout):
   """Request lengths on which the snake placement is even while the
   first-block placement is not, and both placements' busiest partition over
-  the equal share (the arithmetic of csrc/sm80/schedule_math.cuh: loads are
+  the equal share (the arithmetic of csrc/smxx/schedule_math.cuh: loads are
   64-token blocks + 2, partitions_for, part_of, within_share).
 
   2 * parts requests whose loads pair up to a constant (two full snake
@@ -494,7 +486,6 @@ def _snake_case_lengths(rng, parts, layout):
 def _snake_parts_or_skip(heads, layout):
   # The block schedule tries the snake for 33 to 1024 requests (below that
   # the inline schedule, which has no sort, takes the batch).
-  from mla_jax._scratch import cuda_num_parts
   parts = cuda_num_parts(heads)
   batch = {"2p": 2 * parts, "2p-2": 2 * parts - 2, "3p-2": 3 * parts - 2}[layout]
   if not 32 < batch <= 1024:
@@ -508,7 +499,7 @@ def test_snake_whole_request_schedule_for_varied_lengths(kernel_choice, heads, l
   # the partition of their first block leave the busiest partition well
   # over the 5 % slack, so the schedulers would cut; sorted by load and
   # dealt in snake order they fit it, so the block schedule (the scheduler
-  # kernel, or every seesaw CTA) cuts none (csrc/sm80/schedule_math.cuh).
+  # kernel, or every seesaw CTA) cuts none (csrc/smxx/schedule_math.cuh).
   # The result must then equal the max_num_splits=1 schedule (every request
   # whole) bit for bit; a cut request goes through float32 partials and the
   # combine instead.
@@ -520,7 +511,7 @@ def test_snake_whole_request_schedule_for_varied_lengths(kernel_choice, heads, l
   results = []
   for max_num_splits in (None, 1):
     plan = mla_jax.DecodePlan(num_heads=heads, page_size=64, sm_scale=SM_SCALE, backend="cuda",
-                              max_num_splits=max_num_splits)
+                              max_num_splits=max_num_splits, kernel=kernel_choice(heads))
     results.append(_run(d, plan, jnp.bfloat16))
   _check(*results[0])
   np.testing.assert_array_equal(results[0][0], results[1][0])
@@ -528,43 +519,37 @@ def test_snake_whole_request_schedule_for_varied_lengths(kernel_choice, heads, l
 
 
 @pytest.mark.parametrize("layout", ["2p", "3p-2"])
-def test_snake_schedule_in_decode_matches_scheduler_kernel_bitwise(monkeypatch, layout):
+def test_snake_schedule_in_decode_matches_scheduler_kernel_bitwise(layout):
   # The snake placement computed in every seesaw CTA against the scheduler
   # kernel's: the same items, so the same bits (and both equal to every
   # request whole, which the test above checks per kernel).
-  for name in ("MLA_JAX_PORTABLE_KERNEL", "MLA_JAX_SM90_LOCKSTEP"):
-    monkeypatch.delenv(name, raising=False)
   parts = _snake_parts_or_skip(128, layout)
   rng = np.random.default_rng(59 + len(layout))
   lens, in_order, snake = _snake_case_lengths(rng, parts, layout)
   assert in_order > 1.05 and snake <= 1.05, (in_order, snake)
   d = random_paged_inputs(rng, lens, num_heads=128, page_size=64)
   plan = mla_jax.DecodePlan(num_heads=128, page_size=64, sm_scale=SM_SCALE, backend="cuda")
-  _check_same_bits_with_scheduler_kernel(monkeypatch, d, plan)
+  _check_same_bits_with_scheduler_kernel(d, plan)
 
 
 @pytest.mark.parametrize("heads,k,seq_len", [(128, 3, 3072), (64, 4, 2560)])
-def test_equal_pieces_schedule_when_requests_are_few(monkeypatch, heads, k, seq_len):
+def test_equal_pieces_schedule_when_requests_are_few(heads, k, seq_len):
   # k partitions per request and equal lengths: every request is cut into k
-  # equal pieces, one per partition (csrc/sm80/schedule_math.cuh; the
+  # equal pieces, one per partition (csrc/smxx/schedule_math.cuh; the
   # largest piece is within 10 % of the equal share at these lengths), the
   # same pieces as max_num_splits=k, so the results must agree bit for bit;
   # the cut schedule would cut at the work line's shares instead. On an
   # H100/H200 both batches (22 requests at 128 heads, 33 at 64) are
   # scheduled inside the seesaw kernel (by one warp, by the whole CTA); both
   # must also match the scheduler kernel bit for bit.
-  from mla_jax._scratch import cuda_num_parts
   batch = cuda_num_parts(heads) // k
   rng = np.random.default_rng(47 + heads + batch)
   d = random_paged_inputs(rng, [seq_len] * batch, num_heads=heads, page_size=64)
   results = []
-  for max_num_splits, flag in ((None, "0"), (k, "0"), (None, "1")):
-    monkeypatch.setenv("MLA_JAX_SCHEDULER_KERNEL", flag)
-    jax.clear_caches()
+  for max_num_splits, schedule in ((None, "auto"), (k, "auto"), (None, "kernel")):
     plan = mla_jax.DecodePlan(num_heads=heads, page_size=64, sm_scale=SM_SCALE, backend="cuda",
-                              max_num_splits=max_num_splits)
+                              max_num_splits=max_num_splits, kernel=KernelChoice(schedule=schedule))
     results.append(_run(d, plan, jnp.bfloat16))
-  jax.clear_caches()
   _check(*results[0])
   for other in results[1:]:
     np.testing.assert_array_equal(results[0][0], other[0])

@@ -780,3 +780,30 @@ def test_cpu_handler_checks_operands_itself(bad):
              "negative_rope": "must be positive"}.get(bad, "q_pe")
     with pytest.raises(jax.errors.JaxRuntimeError, match=match):
       jax.block_until_ready(call(*args, **attrs))
+
+
+@pytest.mark.parametrize("op", ["paged", "sparse"])
+def test_handler_errors_name_the_op(op):
+  """A malformed direct call of a registered target fails with a message
+  that names the op it belongs to (mla_jax.paged_decode or
+  mla_jax.sparse_decode)."""
+  from mla_jax import _ffi  # pylint: disable=g-import-not-at-top
+  if not _ffi.has_extension():
+    pytest.skip("compiled extension not available")
+  inp = good_inputs()
+  q = inp["query"]
+  out_types = (jax.ShapeDtypeStruct(q.shape[:3] + (DN,), q.dtype), jax.ShapeDtypeStruct(q.shape[:3], jnp.float32))
+  scale = np.ones((1,), np.float32)
+  if op == "paged":
+    call = jax.ffi.ffi_call(_ffi.CPU_TARGET, out_types)
+    args = (q, q, inp["kv_cache"], inp["kv_cache"], inp["block_table"][:1], inp["seq_lens"], scale)
+    attrs = dict(sm_scale=np.float32(0.1), causal=True, kv_lora_rank=DN, qk_rope_head_dim=DR)
+  else:
+    b, q_len, h = q.shape[:3]
+    call = jax.ffi.ffi_call(_ffi.SPARSE_CPU_TARGET, out_types)
+    indices = np.zeros((b, q_len + 1, 4), np.int32)  # one index row too many
+    args = (q, q, inp["kv_cache"], indices, np.full((b,), 4, np.int32), np.zeros((h,), np.float32), scale)
+    attrs = dict(sm_scale=np.float32(0.1), kv_format=0, has_sink=False, kv_lora_rank=DN, qk_rope_head_dim=DR)
+  with jax.default_device(jax.devices("cpu")[0]):
+    with pytest.raises(jax.errors.JaxRuntimeError, match=f"mla_jax.{op}_decode: "):
+      jax.block_until_ready(call(*args, **attrs))

@@ -4,7 +4,7 @@ The kernels are custom calls without JAX's compatibility guarantee, so an
 export must allow them explicitly:
 
     disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(t)
-                     for t in mla_jax._ffi.EXPORT_TARGETS]
+                     for t in mla_jax.EXPORT_TARGETS]
 
 EXPORT_TARGETS holds the CPU and CUDA targets of both ops
 (mla_jax_{paged,sparse}_decode_{cpu,cuda}): a CPU target is in every export

@@ -18,6 +18,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import mla_jax
+from mla_jax import _op
 from mla_jax.testing import random_paged_inputs, reference_paged_decode
 
 _pd = importlib.import_module("mla_jax.paged_decode")
@@ -144,8 +145,8 @@ def test_hlo_check_sees_collectives_without_the_rule(data):
 
   def bare(q, kv, bt, sl):
     i = mla_jax._inputs.normalize(q, kv, bt, sl, plan)
-    return _pd._local_decode(plan, i.q_nope, i.q_pe, i.ckv, i.kpe, i.block_table, i.seq_lens,
-                             i.kv_scale)
+    return _op._local(_pd.SPEC, _op.Call(plan, False), i.q_nope, i.q_pe, i.ckv, i.kpe, i.block_table,
+                      i.seq_lens, i.kv_scale)
 
   args = _place(data, mesh, LAYOUTS["both"])
   assert _collectives(jax.jit(bare).lower(*args).compile().as_text()) != []
@@ -434,7 +435,7 @@ def test_sparse_hlo_check_sees_collectives_without_the_rule(sparse_data):
 
   def bare(q, kv, i, tl, s):
     i = mla_jax._inputs.normalize_sparse(q, kv, i, tl, s, plan)
-    return _sd._local_sparse(plan, i.has_sink, True, *i.operands)
+    return _op._local(_sd.SPEC, _op.Call(plan, True, i.has_sink), *i.operands)
 
   args = _sparse_place(sparse_data, mesh, LAYOUTS["both"])
   assert _collectives(jax.jit(bare).lower(*args).compile().as_text()) != []

@@ -84,8 +84,4 @@ inline float load_elem(const void* row, int64_t i, ElemType type) {
   return NAN;
 }
 
-inline int elem_bytes(ElemType type) {
-  return type == ElemType::kFP8E4M3 ? 1 : 2;
-}
-
 }  // namespace mla_jax

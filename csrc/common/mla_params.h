@@ -23,6 +23,8 @@ namespace mla_jax {
 
 enum class ElemType : int { kBF16 = 0, kF16 = 1, kFP8E4M3 = 2 };
 
+MLA_HOST_DEVICE inline int elem_bytes(ElemType type) { return type == ElemType::kFP8E4M3 ? 1 : 2; }
+
 // How one cached token is stored.
 enum class KvFormat : int {
   // ckv and kpe rows of kv_type (bf16, fp16, or e4m3 with one per-tensor
@@ -87,6 +89,10 @@ struct PagedDecodeParams {
   // Optional per-head attention sink (FlashMLA semantics): out is scaled by
   // exp(lse) / (exp(lse) + exp(sink[h])); lse is unchanged.
   const float* attn_sink = nullptr;    // [num_heads] or nullptr
+  // Sparse mode as the CUDA kernels run it (batch B * q_len requests of one
+  // token each): query tokens per batch entry, so request r reads
+  // topk_lens[r / sparse_group].
+  int sparse_group = 1;
 
   MLA_HOST_DEVICE int rows_per_request() const { return q_len * num_heads; }
   // Largest valid seq_lens value: longer requests are rejected (NaN output).

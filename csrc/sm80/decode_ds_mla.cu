@@ -5,9 +5,10 @@
 namespace mla_jax {
 namespace sm80 {
 
-cudaError_t run_decode_ds_mla(const PagedDecodeParams& params, const DecodeWorkspace& ws, cudaStream_t stream) {
-  if (params.q_type == ElemType::kBF16) return dispatch_decode<__nv_bfloat16, KvDsMla>(params, ws, stream);
-  return dispatch_decode<__half, KvDsMla>(params, ws, stream);
+cudaError_t run_decode_ds_mla(const PagedDecodeParams& params, const DecodeWorkspace& ws,
+                              const SplitSchedule& schedule, cudaStream_t stream) {
+  if (params.q_type == ElemType::kBF16) return dispatch_decode<__nv_bfloat16, KvDsMla>(params, ws, schedule, stream);
+  return dispatch_decode<__half, KvDsMla>(params, ws, schedule, stream);
 }
 
 }  // namespace sm80

@@ -4,8 +4,9 @@
 namespace mla_jax {
 namespace sm80 {
 
-cudaError_t run_decode_fp16(const PagedDecodeParams& params, const DecodeWorkspace& ws, cudaStream_t stream) {
-  return dispatch_decode<__half, KvNative>(params, ws, stream);
+cudaError_t run_decode_fp16(const PagedDecodeParams& params, const DecodeWorkspace& ws,
+                              const SplitSchedule& schedule, cudaStream_t stream) {
+  return dispatch_decode<__half, KvNative>(params, ws, schedule, stream);
 }
 
 }  // namespace sm80

@@ -4,9 +4,10 @@
 namespace mla_jax {
 namespace sm80 {
 
-cudaError_t run_decode_fp8(const PagedDecodeParams& params, const DecodeWorkspace& ws, cudaStream_t stream) {
-  if (params.q_type == ElemType::kBF16) return dispatch_decode<__nv_bfloat16, KvFp8>(params, ws, stream);
-  return dispatch_decode<__half, KvFp8>(params, ws, stream);
+cudaError_t run_decode_fp8(const PagedDecodeParams& params, const DecodeWorkspace& ws,
+                              const SplitSchedule& schedule, cudaStream_t stream) {
+  if (params.q_type == ElemType::kBF16) return dispatch_decode<__nv_bfloat16, KvFp8>(params, ws, schedule, stream);
+  return dispatch_decode<__half, KvFp8>(params, ws, schedule, stream);
 }
 
 }  // namespace sm80

@@ -16,14 +16,24 @@
 #include <cute/arch/mma_sm80.hpp>
 
 #include "csrc/common/mla_params.h"
-#include "csrc/common/pdl.h"
+#include "csrc/common/workspace.h"
 #include "csrc/sm80/api.h"
 #include "csrc/sm80/decode_traits.h"
-#include "csrc/sm80/kv_source.cuh"
-#include "csrc/sm80/request.cuh"
+#include "csrc/smxx/api.h"
+#include "csrc/smxx/kv_source.cuh"
+#include "csrc/smxx/pdl.cuh"
+#include "csrc/smxx/request.cuh"
 
 namespace mla_jax {
 namespace sm80 {
+
+using smxx::cp_async_16;
+using smxx::kSchedBlockTokens;
+using smxx::locate_token;
+using smxx::pack2;
+using smxx::request_span;
+using smxx::RequestSpan;
+using smxx::TokenSource;
 
 template <typename T>
 __device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1);
@@ -121,7 +131,7 @@ template <typename Tr>
 __global__ void __launch_bounds__(Tr::kThreads, 1)
     decode_kernel(const PagedDecodeParams p, const DecodeWorkspace ws) {
   // The combine kernel after this one may be dispatched now; it waits for
-  // this grid to complete before reading anything (csrc/common/pdl.h).
+  // this grid to complete before reading anything (csrc/smxx/pdl.cuh).
   pdl_allow_dependents();
   using T = typename Tr::QType;
   constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kMT = Tr::kMTiles;
@@ -163,7 +173,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     const int b = ws.items[4 * item];
     const int block_begin = ws.items[4 * item + 1], block_end = ws.items[4 * item + 2];
     const int splits = ws.request_meta[2 * b + 1];
-    const RequestSpan span = request_span(p, ws, b);
+    const RequestSpan span = request_span(p, b);
     const int64_t seq_len = span.len;
     const bool len_ok = span.valid;
     const int64_t tok_end = min(seq_len, int64_t{block_end} * kSchedBlockTokens);
@@ -489,34 +499,36 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 }
 
 template <typename Tr>
-cudaError_t launch_decode(const PagedDecodeParams& p, const DecodeWorkspace& ws, cudaStream_t stream) {
+cudaError_t launch_decode(const PagedDecodeParams& p, const DecodeWorkspace& ws, const SplitSchedule& schedule,
+                          cudaStream_t stream) {
   auto kernel = decode_kernel<Tr>;
-  // Per call, not cached: the attribute belongs to the current device.
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes);
+  cudaError_t err = smxx::set_max_dynamic_smem_once(reinterpret_cast<const void*>(kernel), Tr::kSmemBytes);
   if (err != cudaSuccess) return err;
-  err = run_scheduler(p, ws, stream);  // after the host work: see paged_decode
+  // The scheduler right before the kernel, after the host work, so that
+  // outside a CUDA graph no host work sits between the two launches.
+  err = smxx::run_scheduler(p, ws, schedule, stream);
   if (err != cudaSuccess) return err;
   const int rows = p.rows_per_request();
-  dim3 grid(ws.num_parts, (rows + Tr::kBlockM - 1) / Tr::kBlockM);
+  dim3 grid(schedule.num_parts, (rows + Tr::kBlockM - 1) / Tr::kBlockM);
   kernel<<<grid, Tr::kThreads, Tr::kSmemBytes, stream>>>(p, ws);
   return cudaGetLastError();
 }
 
-// Picks the row-block size from q_len x heads (see rows_per_cta).
+// Picks the row-block size from q_len x heads: 16, 32 or 64 rows (the
+// dispatch layer's portable_rows_per_cta gives the same sizes).
 template <typename QType, typename KvTag>
-cudaError_t dispatch_decode(const PagedDecodeParams& p, const DecodeWorkspace& ws, cudaStream_t stream) {
-  switch (rows_per_cta(p.rows_per_request())) {
-    case 16: return launch_decode<DecodeTraits<QType, KvTag, 16, 64>>(p, ws, stream);
-    case 32: return launch_decode<DecodeTraits<QType, KvTag, 32, 64>>(p, ws, stream);
-    default:
-      if constexpr (std::is_same_v<KvTag, KvNative>) {
-        // 64 rows as 2 x 4 warps of 32 rows x 16 tokens, 64-token tiles in
-        // swizzled (unpadded) smem: half the K/V shared-memory reads per
-        // token of the 4 x 2 layout, which is shared-memory bound.
-        return launch_decode<DecodeTraits<QType, KvTag, 64, 64, 2, true>>(p, ws, stream);
-      } else {  // a converted FP8 tile does not fit beside 64-token stages
-        return launch_decode<DecodeTraits<QType, KvTag, 64, 32>>(p, ws, stream);
-      }
+cudaError_t dispatch_decode(const PagedDecodeParams& p, const DecodeWorkspace& ws, const SplitSchedule& schedule,
+                            cudaStream_t stream) {
+  const int rows = p.rows_per_request();
+  if (rows <= 16) return launch_decode<DecodeTraits<QType, KvTag, 16, 64>>(p, ws, schedule, stream);
+  if (rows <= 32) return launch_decode<DecodeTraits<QType, KvTag, 32, 64>>(p, ws, schedule, stream);
+  if constexpr (std::is_same_v<KvTag, KvNative>) {
+    // 64 rows as 2 x 4 warps of 32 rows x 16 tokens, 64-token tiles in
+    // swizzled (unpadded) smem: half the K/V shared-memory reads per token
+    // of the 4 x 2 layout, which is shared-memory bound.
+    return launch_decode<DecodeTraits<QType, KvTag, 64, 64, 2, true>>(p, ws, schedule, stream);
+  } else {  // a converted FP8 tile does not fit beside 64-token stages
+    return launch_decode<DecodeTraits<QType, KvTag, 64, 32>>(p, ws, schedule, stream);
   }
 }
 

@@ -1,34 +1,28 @@
-// Host entry points of the Hopper (sm_90a) decode kernel.
-//
-// It replaces the portable kernel for bf16/fp16 caches on sm_90 devices:
-// for 64-row blocks (q_len x heads > 32: H = 64, 96, 128 and MTP) with two
-// schedules (decode_launch.cuh), seesaw for TMA-loadable caches, lock-step
-// otherwise; for fewer rows only where the pages allow TMA (api.cu).
-// The scheduler, the scratch layout and the combine kernel are the
-// portable path's (csrc/sm80): only the per-partition decode differs.
+// Host entry points of the Hopper (sm_90a) decode kernels: wgmma through
+// CuTe, 64 query rows per CTA (fewer rows are zero-filled to one block).
+// Two schedules (decode_launch.cuh): seesaw for caches TMA loads tile by
+// tile, lock-step otherwise. When they serve a call is decided by
+// csrc/dispatch/select.cc. The scheduler, the scratch layout and the
+// combine kernel are the shared ones (csrc/smxx).
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include "csrc/common/mla_params.h"
-#include "csrc/sm80/api.h"
+#include "csrc/common/workspace.h"
 
 namespace mla_jax {
 namespace sm90 {
 
-// True when this build carries sm_90a code, the current device is sm_90,
-// the call is one the kernel serves, and MLA_JAX_PORTABLE_KERNEL is unset
-// (that variable forces the portable kernel, e.g. for A/B benchmarks).
-bool selected(const PagedDecodeParams& params);
-
-// Which kernel a run_decode_* call launched; the combine after it picks
-// its launch from this (sm80::paged_decode).
-enum class DecodeKernel { kSeesaw, kLockstep };
-
-cudaError_t run_decode_bf16(const PagedDecodeParams& params, const sm80::DecodeWorkspace& ws,
-                            cudaStream_t stream, DecodeKernel* launched);
-cudaError_t run_decode_fp16(const PagedDecodeParams& params, const sm80::DecodeWorkspace& ws,
-                            cudaStream_t stream, DecodeKernel* launched);
+// seesaw: the seesaw kernel (needs TMA loads: returns
+// cudaErrorNotSupported when the cache's tensor maps cannot be encoded);
+// otherwise the lock-step kernel, with TMA loads where the cache allows
+// them and cp.async row gathers elsewhere. The schedule's inline_schedule
+// and schedule_in_decode flags apply to the seesaw kernel only.
+cudaError_t run_decode_bf16(const PagedDecodeParams& params, const DecodeWorkspace& ws,
+                            const SplitSchedule& schedule, bool seesaw, cudaStream_t stream);
+cudaError_t run_decode_fp16(const PagedDecodeParams& params, const DecodeWorkspace& ws,
+                            const SplitSchedule& schedule, bool seesaw, cudaStream_t stream);
 
 }  // namespace sm90
 }  // namespace mla_jax

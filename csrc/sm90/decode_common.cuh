@@ -8,10 +8,10 @@
 #pragma once
 
 #include "csrc/common/mla_params.h"
-#include "csrc/sm80/api.h"
-#include "csrc/sm80/kv_source.cuh"
-#include "csrc/sm80/request.cuh"
-#include "csrc/sm80/schedule_inline.cuh"
+#include "csrc/smxx/api.h"
+#include "csrc/smxx/kv_source.cuh"
+#include "csrc/smxx/request.cuh"
+#include "csrc/smxx/schedule_inline.cuh"
 
 #include <cute/tensor.hpp>
 
@@ -80,16 +80,16 @@ struct DecodeItem {
 };
 
 template <int kBlockN>
-__device__ __forceinline__ DecodeItem make_item(const PagedDecodeParams& p, const sm80::DecodeWorkspace& ws, int b,
+__device__ __forceinline__ DecodeItem make_item(const PagedDecodeParams& p, const DecodeWorkspace& ws, int b,
                                                 int block_begin, int block_end, int splits) {
-  static_assert(kBlockN == sm80::kSchedBlockTokens, "one KV tile per scheduler block");
+  static_assert(kBlockN == smxx::kSchedBlockTokens, "one KV tile per scheduler block");
   DecodeItem it;
   it.b = b;
   it.splits = splits;
-  const sm80::RequestSpan span = sm80::request_span(p, ws, it.b);
+  const smxx::RequestSpan span = smxx::request_span(p, it.b);
   it.seq_len = span.len;
   it.len_ok = span.valid;
-  it.tok_end = min(it.seq_len, int64_t{block_end} * sm80::kSchedBlockTokens);
+  it.tok_end = min(it.seq_len, int64_t{block_end} * smxx::kSchedBlockTokens);
   it.tile_begin = block_begin;
   it.num_tiles = it.len_ok ? static_cast<int>((it.tok_end + kBlockN - 1) / kBlockN) - it.tile_begin : 0;
   return it;
@@ -97,7 +97,7 @@ __device__ __forceinline__ DecodeItem make_item(const PagedDecodeParams& p, cons
 
 // Item `item` as the scheduler kernel wrote it.
 template <int kBlockN>
-__device__ __forceinline__ DecodeItem load_item(const PagedDecodeParams& p, const sm80::DecodeWorkspace& ws,
+__device__ __forceinline__ DecodeItem load_item(const PagedDecodeParams& p, const DecodeWorkspace& ws,
                                                 int item) {
   const int b = ws.items[4 * item];
   return make_item<kBlockN>(p, ws, b, ws.items[4 * item + 1], ws.items[4 * item + 2], ws.request_meta[2 * b + 1]);
@@ -122,7 +122,7 @@ __device__ __forceinline__ void load_query_rows(const PagedDecodeParams& p, char
     for (int j = 0; j < Tr::kChunksPerThread; ++j) {
       const int c = copy_lane + j * Tr::kThreadsPerRow;
       const char* src = c < Tr::kNopeChunks ? qn + c * 16 : qp + (c - Tr::kNopeChunks) * 16;
-      sm80::cp_async_16(sQ_bytes + qk_chunk_offset(r, c), src, live);
+      smxx::cp_async_16(sQ_bytes + qk_chunk_offset(r, c), src, live);
     }
   }
 }
@@ -150,7 +150,7 @@ __device__ __forceinline__ void row_limits(const PagedDecodeParams& p, const Dec
 // staging: the KV stages (kStages x kTileBytes of shared memory), which no
 // load writes and no wgmma reads at an item's end.
 template <typename Tr, typename T, typename FragO>
-__device__ __forceinline__ void write_item_output(const PagedDecodeParams& p, const sm80::DecodeWorkspace& ws,
+__device__ __forceinline__ void write_item_output(const PagedDecodeParams& p, const DecodeWorkspace& ws,
                                                   const DecodeItem& it, int item, int m0, float (&row_sum)[2],
                                                   const float (&row_max)[2], float kv_scale,
                                                   const int* s_bad_page, float* sRed, char* staging,
@@ -202,8 +202,8 @@ __device__ __forceinline__ void write_item_output(const PagedDecodeParams& p, co
   // eight rows of one store instruction fall in different banks), then the
   // CTA copies whole rows out with 16-byte loads and stores, consecutive
   // threads on consecutive bytes. Stored from the accumulator layout
-  // directly, every warp store touched eight rows (eight 16- or 32-byte
-  // pieces), and the epilogue took 3-10 us per item (NOTES v13). Element i
+  // directly, every warp store would touch eight rows (eight 16- or 32-byte
+  // pieces). Element i
   // of tOrO is row row_base + 8 accumulator_row_half(i), column
   // wg * kOCols + accumulator_col(wg_tid, i) of the block.
   const int valid_rows = min(Tr::kBlockM, rows - m0);
@@ -222,7 +222,7 @@ __device__ __forceinline__ void write_item_output(const PagedDecodeParams& p, co
       if constexpr (std::is_same_v<OutT, float>) {
         *reinterpret_cast<float2*>(at) = make_float2(a, b);
       } else {
-        *reinterpret_cast<uint32_t*>(at) = sm80::pack2<T>(a, b);
+        *reinterpret_cast<uint32_t*>(at) = smxx::pack2<T>(a, b);
       }
     }
     __syncthreads();

@@ -4,9 +4,9 @@
 namespace mla_jax {
 namespace sm90 {
 
-cudaError_t run_decode_fp16(const PagedDecodeParams& params, const sm80::DecodeWorkspace& ws,
-                            cudaStream_t stream, DecodeKernel* launched) {
-  return launch_decode<DecodeTraits<__half>>(params, ws, stream, launched);
+cudaError_t run_decode_fp16(const PagedDecodeParams& params, const DecodeWorkspace& ws,
+                            const SplitSchedule& schedule, bool seesaw, cudaStream_t stream) {
+  return launch_decode<DecodeTraits<__half>>(params, ws, schedule, seesaw, stream);
 }
 
 }  // namespace sm90

@@ -1,15 +1,16 @@
 // Kernel body of the Hopper (sm_90a) split-KV paged MLA decode, lock-step
 // schedule: wgmma through CuTe with both operands in shared memory. Serves
 // the caches TMA cannot load tile by tile (page sizes below 64, sparse
-// indices); decode_seesaw.cuh serves the others (decode_launch.cuh picks).
+// indices); decode_seesaw.cuh serves the others (csrc/dispatch/select.cc
+// chooses).
 //
 // Grid (row blocks of 64, num_parts) over the items of the on-device
-// scheduler (csrc/sm80/scheduler.cu), like the portable kernel; per item
+// scheduler (csrc/smxx/scheduler.cu), like the portable kernel; per item
 // the CTA loads its 64 query rows once, streams 64-token KV tiles through
 // two stages (cp.async row gathers with page ids from the block table, so
 // any page_size and scattered pages work; TMA boxes when kv_tma.h allows
-// and MLA_JAX_SM90_LOCKSTEP=1 chose this schedule), keeps the online softmax in registers and
-// writes the final output or a normalised partial output + LSE for the
+// and a plan forced this schedule on such a cache), keeps the online
+// softmax in registers and writes the final output or a normalised partial output + LSE for the
 // combine kernel. Per tile t (see decode_traits.h for the split of work):
 //   1. S(t) half (computed during the previous tile): mask, scale, row max;
 //   2. exchange the row maxima through shared memory (one barrier);
@@ -20,10 +21,10 @@
 #pragma once
 
 #include "csrc/common/mla_params.h"
-#include "csrc/common/pdl.h"
-#include "csrc/sm80/api.h"
-#include "csrc/sm80/kv_source.cuh"
-#include "csrc/sm80/request.cuh"
+#include "csrc/smxx/pdl.cuh"
+#include "csrc/smxx/api.h"
+#include "csrc/smxx/kv_source.cuh"
+#include "csrc/smxx/request.cuh"
 #include "csrc/sm90/decode_common.cuh"
 #include "csrc/sm90/decode_traits.h"
 #include "csrc/sm90/kv_tma.h"
@@ -34,19 +35,18 @@
 namespace mla_jax {
 namespace sm90 {
 
-using sm80::cp_async_16;
-using sm80::DecodeWorkspace;
-using sm80::kSchedBlockTokens;
-using sm80::locate_token;
-using sm80::pack2;
-using sm80::TokenSource;
+using smxx::cp_async_16;
+using smxx::kSchedBlockTokens;
+using smxx::locate_token;
+using smxx::pack2;
+using smxx::TokenSource;
 static_assert(kSchedBlockTokens == 64, "one KV tile per scheduler block");
 
 template <typename Tr>
 __global__ void __launch_bounds__(Tr::kThreads, 1)
     decode_kernel(const PagedDecodeParams p, const DecodeWorkspace ws, const __grid_constant__ KvTma tma) {
   // The combine kernel after this one may be dispatched now; it waits for
-  // this grid to complete before reading anything (csrc/common/pdl.h).
+  // this grid to complete before reading anything (csrc/smxx/pdl.cuh).
   pdl_allow_dependents();
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using namespace cute;
@@ -95,8 +95,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   const int row_base = accumulator_row_base(wg_tid);
 
   // Row blocks of one partition are adjacent in launch order: they stream
-  // the same KV tiles at the same time and can share them through L2
-  // (measured: no change beyond noise, benchmarks/NOTES.md v2c).
+  // the same KV tiles at the same time and can share them through L2.
   const int part = blockIdx.y;
   const int m0 = blockIdx.x * kBlockM;
   const SoftmaxScale softmax = softmax_scale(p);
@@ -151,7 +150,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         if (use_tma && ps > 0) break;  // one page per tile: thread 0's row says which
         const int tok = kv_token(tile, ps);
         int page, slot;
-        sm80::div_page(p, tok, page, slot);
+        smxx::div_page(p, tok, page, slot);
         const int at = tok < tok_end ? (sparse ? tok : page) : 0;
         entry[ps] = table[at];
       }
@@ -170,7 +169,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         return -1;
       }
       int page, slot;
-      sm80::div_page(p, tok, page, slot);
+      smxx::div_page(p, tok, page, slot);
       return int64_t{entry} * p.page_size + slot;
     };
 

@@ -36,19 +36,20 @@
 // Every wgmma a warpgroup issues in a pair is waited for inside the pair.
 #pragma once
 
-#include "csrc/sm80/schedule_block.cuh"
+#include "csrc/smxx/schedule_block.cuh"
 #include "csrc/sm90/decode_kernel.cuh"
 
 namespace mla_jax {
 namespace sm90 {
 
 // kBlockSchedule: the CTA computes the block-level schedule itself
-// (ws.schedule_in_decode). A separate instantiation, so the kernel of the
-// other modes carries none of that code: with it inlined the single-request
-// row's decode kernel took 24.9 us instead of 20.3 us (H200 traces, NOTES v10).
+// (SplitSchedule::schedule_in_decode). A separate instantiation, so the
+// kernel of the other modes carries none of that code (inlined behind a
+// run-time flag, it slowed every shape's kernel).
 template <typename Tr, bool kBlockSchedule>
 __global__ void __launch_bounds__(Tr::kThreads, 1)
-    decode_seesaw_kernel(const PagedDecodeParams p, const DecodeWorkspace ws, const __grid_constant__ KvTma tma) {
+    decode_seesaw_kernel(const PagedDecodeParams p, const DecodeWorkspace ws, const SplitSchedule schedule,
+                         const __grid_constant__ KvTma tma) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using namespace cute;
   using T = typename Tr::QType;
@@ -107,10 +108,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   const float kv_scale = softmax.kv_scale, scale_log2 = softmax.scale_log2;
   // This partition's items: from the scheduler kernel, or (small batches)
   // scheduled here by warp 0, CTA (0, 0) also writing the combine's metadata.
-  sm80::PartItem* s_items = reinterpret_cast<sm80::PartItem*>(smem_raw + smem_pad + Tr::kSmemItems);
-  int* s_num_items = reinterpret_cast<int*>(s_items + sm80::kInlineScheduleMaxBatch);
-  if (!kBlockSchedule && ws.inline_schedule && tid < 32) {
-    const int num = sm80::schedule_partition_inline(p, ws, part, blockIdx.x == 0 && part == 0, s_items);
+  smxx::PartItem* s_items = reinterpret_cast<smxx::PartItem*>(smem_raw + smem_pad + Tr::kSmemItems);
+  int* s_num_items = reinterpret_cast<int*>(s_items + smxx::kInlineScheduleMaxBatch);
+  if (!kBlockSchedule && schedule.inline_schedule && tid < 32) {
+    const int num = smxx::schedule_partition_inline(p, ws, schedule, part, blockIdx.x == 0 && part == 0, s_items);
     if (tid == 0) *s_num_items = num;
   }
 
@@ -129,10 +130,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   int32_t* own_items = ws.items + int64_t{blockIdx.x} * ws.max_items * 4;
   int item_begin, item_end;
   if constexpr (kBlockSchedule) {
-    static_assert(sizeof(sm80::BlockScheduleSmem) <= Tr::kTileBytes, "schedule fits a KV stage");
-    static_assert(Tr::kThreads == sm80::kScheduleThreads, "one schedule thread per kernel thread");
-    auto& sched = *reinterpret_cast<sm80::BlockScheduleSmem*>(sKv_shared);
-    sm80::schedule_block(p, ws, sched, part, own_items, blockIdx.x == 0 && part == 0);
+    static_assert(sizeof(smxx::BlockScheduleSmem) <= Tr::kTileBytes, "schedule fits a KV stage");
+    static_assert(Tr::kThreads == smxx::kScheduleThreads, "one schedule thread per kernel thread");
+    auto& sched = *reinterpret_cast<smxx::BlockScheduleSmem*>(sKv_shared);
+    smxx::schedule_block(p, ws, schedule, sched, part, own_items, blockIdx.x == 0 && part == 0);
     // The stage's first TMA boxes overwrite these bytes through the async
     // proxy: order the generic writes before them.
     fence_smem_for_wgmma();
@@ -141,8 +142,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     item_end = item_begin + sched.part_num_items;
     __syncthreads();  // read before the stage is reused for tiles
   } else {
-    item_begin = ws.inline_schedule ? 0 : ws.part_begin[part];
-    item_end = ws.inline_schedule ? *s_num_items : ws.part_begin[part + 1];
+    item_begin = schedule.inline_schedule ? 0 : ws.part_begin[part];
+    item_end = schedule.inline_schedule ? *s_num_items : ws.part_begin[part + 1];
   }
   // Warpgroup w computes S only over stage w's tiles, so it alone waits on
   // stage w's barriers: one phase bit per warpgroup.
@@ -162,16 +163,15 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   for (int i = item_begin; i < item_end; ++i) {
     // The combine kernel after this one may be dispatched once every CTA
     // has started its last item (or exited), so its waiting CTAs do not sit
-    // beside this grid for the whole call: with MLA_JAX_PDL=1, 128 x 4k at
-    // 128 heads traced 7.4 us faster than without, against 2.8 us with the
-    // trigger at the kernel's start (NOTES v11, v12). It waits for this grid
-    // to complete before reading anything (csrc/common/pdl.h); a CTA without
-    // items triggers by exiting.
+    // beside this grid for the whole call (a trigger at the kernel's start
+    // gained much less; docs/perf.md). It waits for this grid to complete
+    // before reading anything (csrc/smxx/pdl.cuh); a CTA without items
+    // triggers by exiting.
     if (i == item_end - 1) pdl_allow_dependents();
     int item = i;
     DecodeItem it;
-    if (!kBlockSchedule && ws.inline_schedule) {
-      const sm80::PartItem own = s_items[i];
+    if (!kBlockSchedule && schedule.inline_schedule) {
+      const smxx::PartItem own = s_items[i];
       item = own.item;
       it = make_item<kBlockN>(p, ws, own.b, own.block_begin, own.block_end, own.splits);
     } else if constexpr (kBlockSchedule) {
@@ -195,7 +195,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     auto fetch_entry = [&](int t) {
       const int tok = (tile_begin + t) * kBlockN;
       int page, slot;
-      sm80::div_page(p, tok, page, slot);
+      smxx::div_page(p, tok, page, slot);
       return table[tok < tok_end ? page : 0];
     };
     // Boxes [first, first + count) of tile t into its stage (box 8: kpe),
@@ -210,12 +210,12 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         return;
       }
       int page, slot;
-      sm80::div_page(p, (tile_begin + t) * kBlockN, page, slot);
+      smxx::div_page(p, (tile_begin + t) * kBlockN, page, slot);
       const int row = entry * p.page_size + slot;
       constexpr uint32_t kBox = 64 * 64 * 2;
-      // EVICT_FIRST: measured 3 % faster than EVICT_NORMAL on rows 0 / 3 / 9
-      // (the other row block's CTA still finds the tile in L2); an L2
-      // prefetch one or two pairs ahead was 12-60 % slower (NOTES.md v4).
+      // EVICT_FIRST: the other row block's CTA still finds the tile in L2,
+      // and the tile is dead after that (docs/perf.md has the comparison
+      // with EVICT_NORMAL and with an L2 prefetch).
       const uint64_t hint = static_cast<uint64_t>(cute::TMA::CacheHintSm90::EVICT_FIRST);
       for (int j = 0; j < count; ++j) {
         const int blk = first + j;

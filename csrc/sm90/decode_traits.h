@@ -23,7 +23,7 @@
 #include <cute/tensor.hpp>
 #include <type_traits>
 
-#include "csrc/sm80/schedule_inline.cuh"
+#include "csrc/smxx/schedule_inline.cuh"
 
 namespace mla_jax {
 namespace sm90 {
@@ -87,7 +87,7 @@ struct DecodeTraits {
   static constexpr int kSmemBarriers = kSmemFlags + 16;                 // [stage][block] mbarriers
   static constexpr int kSmemItems = kSmemBarriers + kStages * kKvBlocks * 8;  // inline schedule: items, count
   static constexpr int kSmemBytes =
-      kSmemItems + sm80::kInlineScheduleMaxBatch * static_cast<int>(sizeof(sm80::PartItem)) + 16;
+      kSmemItems + smxx::kInlineScheduleMaxBatch * static_cast<int>(sizeof(smxx::PartItem)) + 16;
   static_assert(kSmemBarriers % 8 == 0);
   static constexpr int kSmemAlloc = kSmemBytes + 1024;  // room to align the base
   static_assert(kSmemAlloc <= 227 * 1024, "exceeds the sm_90 shared memory per block");

@@ -23,24 +23,22 @@
 #include <cstdint>
 
 #include "csrc/common/mla_params.h"
-#include "csrc/sm80/api.h"
-#include "csrc/sm80/request.cuh"
+#include "csrc/smxx/api.h"
+#include "csrc/smxx/request.cuh"
 
 namespace mla_jax {
-namespace sm80 {
+namespace smxx {
 
 constexpr int kSplitOverhead = 2;
 // Least work (blocks) worth a partition of its own: below it, a split's
 // fixed cost (query load, partial write, combine read) outweighs the
-// parallelism, so small batches use fewer partitions. Measured on the H200
-// for one 4k request at H = 128 (benchmarks/NOTES.md, v5): 2 / 3 / 4 / 8 ->
-// 29.1 / 31.4 / 34.9 / 41.0 us device span, 30.9 / 23.3 / - / 36.0 us in the
-// benchmark; 1 was slower still with the v2 scheduler (58.7 us).
+// parallelism, so small batches use fewer partitions (the value was tuned
+// on one 4k request at 128 heads; docs/perf.md).
 constexpr int kMinPartWork = 3;
 
 // An invalid request has no blocks: one empty item writes its NaN output.
-__device__ __forceinline__ int num_blocks_of(const PagedDecodeParams& p, const DecodeWorkspace& ws, int b) {
-  const RequestSpan span = request_span(p, ws, b);
+__device__ __forceinline__ int num_blocks_of(const PagedDecodeParams& p, int b) {
+  const RequestSpan span = request_span(p, b);
   return static_cast<int>((span.len + kSchedBlockTokens - 1) / kSchedBlockTokens);
 }
 
@@ -65,22 +63,15 @@ __device__ __forceinline__ int part_of(int64_t pos, int64_t total, int parts) {
 // at the price of a less even load. The schedulers take it (by capping
 // every request at one item) when the busiest partition then carries at
 // most kWholeRequestSlackPct % more than the equal share of the cut
-// schedule. Measured on the H200 (benchmarks/NOTES.md, v8; device traces,
-// whole / cut, us): 128 x 8k tokens at 64 heads 315.7 / 363.4, 128 x 4k at
-// 128 heads 284.2 / 299.0, at 16 heads 168.8 / 176.2, 128 x 8k at 128 heads
-// 515.0 / 539.9; 128 x 4k at q_len 2 and 128 heads 531.7 / 521.3 (slack
-// 3 % there too). Where requests are fewer than partitions the slack is far
-// above 5 % (32 x 4k at 128 heads: 127.9 / 94.7 us if forced).
+// schedule. Where requests are fewer than partitions the slack is far above
+// it, and whole requests would leave most SMs idle.
 constexpr int kWholeRequestSlackPct = 5;
 
 // Equal pieces: with at least two partitions per request, cutting every
 // request into k = parts / batch equal pieces, one per partition, gives
 // each CTA one item where the cut schedule gives it about two (a piece of
-// each of two requests); an item costs about six 64-token blocks beyond its
-// blocks (benchmarks/NOTES.md, v8; device traces, equal pieces / cut, us:
-// 32 x 4k at 128 heads 88.2 / 97.4, 16 x 32k at 128 heads 255.4 / 268.3,
-// 64 x 8k at 16 heads 168.7 / 180.8, 8 x 42k at 12 heads 118.4 / 129.8;
-// 8 x 42k at 96 heads 186.9 / 186.0). Taken when the largest piece (plus
+// each of two requests), and an item has a fixed cost of several 64-token
+// blocks beyond its own. Taken when the largest piece (plus
 // kSplitOverhead) is within kEqualPiecesSlackPct % of the equal share, so
 // requests of very different lengths keep the cut.
 constexpr int kEqualPiecesSlackPct = 10;
@@ -208,5 +199,5 @@ __device__ __forceinline__ ItemRange item_range(const RequestCut& c, int k, int6
   return r;
 }
 
-}  // namespace sm80
+}  // namespace smxx
 }  // namespace mla_jax

@@ -11,7 +11,7 @@
 #include "csrc/common/mla_params.h"
 
 namespace mla_jax {
-namespace sm80 {
+namespace smxx {
 
 template <typename T>
 __device__ __forceinline__ uint32_t pack2(float a, float b);
@@ -73,5 +73,5 @@ __device__ __forceinline__ TokenSource locate_token(const PagedDecodeParams& p, 
   return {(id >= 0 && id < p.num_pages) ? id : -2, slot};
 }
 
-}  // namespace sm80
+}  // namespace smxx
 }  // namespace mla_jax

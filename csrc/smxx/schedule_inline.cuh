@@ -4,18 +4,17 @@
 // metadata the combine kernel reads. The same arithmetic as the scheduler
 // kernel (schedule_math.cuh), so the items, their numbering and the
 // combine's view are identical; what it saves is the scheduler kernel and
-// its launch before the decode (3.9 us + a 4.5-5.8 us gap for one request on
-// the H200, benchmarks/NOTES.md v5).
+// the launch gap before the decode.
 #pragma once
 
-#include "csrc/sm80/schedule_math.cuh"
+#include "csrc/smxx/schedule_math.cuh"
 
 namespace mla_jax {
-namespace sm80 {
+namespace smxx {
 
 // Requests up to which a decode kernel that supports it schedules inline:
 // one per lane of a warp.
-constexpr int kInlineScheduleMaxBatch = 32;
+constexpr int kInlineScheduleMaxBatch = kInlineScheduleMaxRequests;  // csrc/common/kernel_config.h
 
 // One item of this CTA's partition.
 struct PartItem {
@@ -31,12 +30,13 @@ struct PartItem {
 // request) and returns how many; with write_meta also writes
 // ws.request_meta for every request.
 __device__ __forceinline__ int schedule_partition_inline(const PagedDecodeParams& p, const DecodeWorkspace& ws,
-                                                         int part, bool write_meta, PartItem* out) {
+                                                         const SplitSchedule& s, int part, bool write_meta,
+                                                         PartItem* out) {
   constexpr unsigned kAll = 0xffffffffu;
   const int lane = threadIdx.x % 32;
   const int b = lane;
   const bool live = b < p.batch;
-  const int n = live ? num_blocks_of(p, ws, b) : 0;
+  const int n = live ? num_blocks_of(p, b) : 0;
   const int64_t w = live ? n + kSplitOverhead : 0;
   int64_t end_pos = w;  // inclusive scan: end of request b on the work line
 #pragma unroll
@@ -45,7 +45,7 @@ __device__ __forceinline__ int schedule_partition_inline(const PagedDecodeParams
     if (lane >= o) end_pos += t;
   }
   const int64_t work = __shfl_sync(kAll, end_pos, 31);
-  const int parts = partitions_for(work, ws.num_parts);
+  const int parts = partitions_for(work, s.num_parts);
   const int64_t first_block_pos = end_pos - w + kSplitOverhead;
   // Whole requests or cut ones, as the scheduler kernel decides: the load of
   // this lane's whole-request partition (the lanes whose first block falls
@@ -59,9 +59,9 @@ __device__ __forceinline__ int schedule_partition_inline(const PagedDecodeParams
   }
 #pragma unroll
   for (int o = 16; o > 0; o /= 2) load = max(load, __shfl_xor_sync(kAll, load, o));
-  const int max_splits = effective_max_splits(load, work, parts, ws.max_num_splits);
+  const int max_splits = effective_max_splits(load, work, parts, s.max_num_splits);
   // Else equal pieces, as the scheduler kernel decides: the largest piece.
-  int stride = max_splits == 1 ? 0 : equal_piece_stride(p.batch, parts, ws.max_num_splits);
+  int stride = max_splits == 1 ? 0 : equal_piece_stride(p.batch, parts, s.max_num_splits);
   if (stride > 0) {
     int64_t largest = live ? equal_piece_load(n, stride) : 0;
 #pragma unroll
@@ -106,5 +106,5 @@ __device__ __forceinline__ int schedule_partition_inline(const PagedDecodeParams
   return __popc(has);
 }
 
-}  // namespace sm80
+}  // namespace smxx
 }  // namespace mla_jax

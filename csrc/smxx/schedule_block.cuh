@@ -16,12 +16,12 @@
 #include <cub/block/block_scan.cuh>
 #include <cuda/functional>
 
-#include "csrc/sm80/api.h"
-#include "csrc/sm80/schedule_inline.cuh"
-#include "csrc/sm80/schedule_math.cuh"
+#include "csrc/smxx/api.h"
+#include "csrc/smxx/schedule_inline.cuh"
+#include "csrc/smxx/schedule_math.cuh"
 
 namespace mla_jax {
-namespace sm80 {
+namespace smxx {
 
 constexpr int kScheduleThreads = 256;
 constexpr int kMaxWholeParts = 1024;  // partitions the whole-request check can count
@@ -47,8 +47,7 @@ struct BlockScheduleSmem {
   // The current chunk's requests: first item (chunk-relative; entry
   // kScheduleThreads = the chunk's item count) and cut. Items are then
   // written one per thread: a single long request split over every
-  // partition must not leave one thread writing them all (that took ~35 us
-  // for 132 splits).
+  // partition must not leave one thread writing them all.
   int item_first[kScheduleThreads + 1];
   RequestCut cut[kScheduleThreads];
   unsigned long long part_load[kMaxWholeParts];  // whole-request load per partition
@@ -60,10 +59,9 @@ struct BlockScheduleSmem {
 
 // The snake placement's check and its items (schedule_math.cuh), kept out
 // of line: they run for varied lengths only, yet inlined into the seesaw
-// kernel they made equal-length calls, which never reach them, 2-5 us
-// slower in traces (code generation of the whole kernel); out of line,
-// 0.5-4.5 us (NOTES v12). Loads come through shared memory so that no
-// parameter struct is copied to the stack for the call.
+// kernel they slowed equal-length calls, which never reach them (code
+// generation of the whole kernel). Loads come through shared memory so that
+// no parameter struct is copied to the stack for the call.
 // Called by all kScheduleThreads threads of the block; returns whether the
 // snake placement's busiest partition is within the slack (sm.rank_of then
 // holds each request's place by load).
@@ -154,7 +152,7 @@ static __device__ __noinline__ void write_snake_items(BlockScheduleSmem& sm, int
 // or, in snake order, partition by partition).
 // Called by all kScheduleThreads threads of the block.
 __device__ __forceinline__ void schedule_block(const PagedDecodeParams& p, const DecodeWorkspace& ws,
-                                               BlockScheduleSmem& sm, int only_part, int32_t* part_items,
+                                               const SplitSchedule& s, BlockScheduleSmem& sm, int only_part, int32_t* part_items,
                                                bool write_meta) {
   using Reduce = BlockScheduleSmem::Reduce;
   using Scan = BlockScheduleSmem::Scan;
@@ -164,7 +162,7 @@ __device__ __forceinline__ void schedule_block(const PagedDecodeParams& p, const
 
   // 1. Total work on the line.
   int64_t local = 0;
-  for (int b = tid; b < batch; b += kThreads) local += num_blocks_of(p, ws, b) + kSplitOverhead;
+  for (int b = tid; b < batch; b += kThreads) local += num_blocks_of(p, b) + kSplitOverhead;
   const int64_t total = Reduce(sm.tmp.reduce).Sum(local);
   if (tid == 0) {
     sm.total = total;
@@ -174,22 +172,22 @@ __device__ __forceinline__ void schedule_block(const PagedDecodeParams& p, const
   }
   __syncthreads();
   const int64_t work = sm.total;
-  const int parts = partitions_for(work, ws.num_parts);
+  const int parts = partitions_for(work, s.num_parts);
   const auto add = [](const longlong2& x, const longlong2& y) { return make_longlong2(x.x + y.x, x.y + y.y); };
 
   // 2. Whole requests or cut ones (schedule_math.cuh): each request's load
   //    goes to the partition of its first block; the busiest decides. More
   //    partitions than kMaxWholeParts (not on today's GPUs) keep the cut;
   //    where requests are too few to fill the partitions the count is
-  //    skipped (about 1 us of the scheduler kernel).
-  int max_splits = ws.max_num_splits;
+  //    skipped.
+  int max_splits = s.max_num_splits;
   if (parts <= kMaxWholeParts && whole_requests_may_fit(work, batch, parts)) {
     for (int q = tid; q < parts; q += kThreads) sm.part_load[q] = 0;
     __syncthreads();
     int64_t line_before = 0;  // work before the current chunk
     for (int base = 0; base < batch; base += kThreads) {
       const int b = base + tid;
-      const int n = b < batch ? num_blocks_of(p, ws, b) : 0;
+      const int n = b < batch ? num_blocks_of(p, b) : 0;
       longlong2 before, chunk_total;
       Scan(sm.tmp.scan).ExclusiveScan(make_longlong2(0, b < batch ? n + kSplitOverhead : 0), before,
                                       make_longlong2(0, 0), add, chunk_total);
@@ -203,7 +201,7 @@ __device__ __forceinline__ void schedule_block(const PagedDecodeParams& p, const
     int64_t busiest = 0;
     for (int q = tid; q < parts; q += kThreads) busiest = max(busiest, static_cast<int64_t>(sm.part_load[q]));
     busiest = Reduce(sm.tmp.reduce).Reduce(busiest, cuda::maximum<>{});
-    if (tid == 0) sm.max_splits = effective_max_splits(busiest, work, parts, ws.max_num_splits);
+    if (tid == 0) sm.max_splits = effective_max_splits(busiest, work, parts, s.max_num_splits);
     __syncthreads();
     max_splits = sm.max_splits;
   }
@@ -214,17 +212,17 @@ __device__ __forceinline__ void schedule_block(const PagedDecodeParams& p, const
   bool snake = false;
   if (max_splits != 1 && batch > kInlineScheduleMaxBatch && batch <= kSnakeMaxBatch && parts <= kMaxWholeParts &&
       whole_requests_may_fit(work, batch, parts)) {
-    for (int b = tid; b < batch; b += kThreads) sm.blocks_of[b] = num_blocks_of(p, ws, b);
+    for (int b = tid; b < batch; b += kThreads) sm.blocks_of[b] = num_blocks_of(p, b);
     __syncthreads();
     snake = snake_placement_fits(sm, work, batch, parts);
     if (snake) max_splits = 1;
   }
   // Else equal pieces, where each request has two or more partitions and
   // its largest piece is close to the share.
-  int stride = max_splits == 1 ? 0 : equal_piece_stride(batch, parts, ws.max_num_splits);
+  int stride = max_splits == 1 ? 0 : equal_piece_stride(batch, parts, s.max_num_splits);
   if (stride > 0) {
     int64_t largest = 0;
-    for (int b = tid; b < batch; b += kThreads) largest = max(largest, equal_piece_load(num_blocks_of(p, ws, b), stride));
+    for (int b = tid; b < batch; b += kThreads) largest = max(largest, equal_piece_load(num_blocks_of(p, b), stride));
     __syncthreads();  // tmp.reduce may still be read by the reduction above
     largest = Reduce(sm.tmp.reduce).Reduce(largest, cuda::maximum<>{});
     if (tid == 0) sm.max_splits = within_share(largest, work, parts, kEqualPiecesSlackPct) ? stride : 0;
@@ -242,7 +240,7 @@ __device__ __forceinline__ void schedule_block(const PagedDecodeParams& p, const
     const int b = base + tid;
     int n = 0;
     longlong2 before = make_longlong2(0, 0), chunk_total;
-    if (b < batch) n = num_blocks_of(p, ws, b);
+    if (b < batch) n = num_blocks_of(p, b);
     // The work position depends on earlier requests only: scan it first.
     Scan(sm.tmp.scan).ExclusiveScan(make_longlong2(0, b < batch ? n + kSplitOverhead : 0), before,
                                     make_longlong2(0, 0), add, chunk_total);
@@ -298,8 +296,8 @@ __device__ __forceinline__ void schedule_block(const PagedDecodeParams& p, const
   }
   // Partitions after the last item's (unused ones included) get no items.
   const int last_part = num_items > 0 ? ws.items[4 * (num_items - 1) + 3] : -1;
-  for (int k = last_part + 1 + tid; k <= ws.num_parts; k += kThreads) ws.part_begin[k] = num_items;
+  for (int k = last_part + 1 + tid; k <= s.num_parts; k += kThreads) ws.part_begin[k] = num_items;
 }
 
-}  // namespace sm80
+}  // namespace smxx
 }  // namespace mla_jax

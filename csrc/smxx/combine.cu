@@ -5,45 +5,33 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-#include <cstdlib>
-#include <cstring>
-
 #include <cub/block/block_reduce.cuh>
 
-#include "csrc/common/pdl.h"
-#include "csrc/sm80/api.h"
+#include "csrc/smxx/pdl.cuh"
+#include "csrc/smxx/api.h"
 
 namespace mla_jax {
-namespace sm80 {
+namespace smxx {
 namespace {
 
-// Three grids, by the (request, row) pairs and the host's estimate of splits
-// per request (num_parts / batch; the device makes the actual cut):
-// * combine_kernel: few pairs with many splits each (one long request at 12
-//   heads: 12 rows, 132 splits). A CTA per row and 128-column slice whose
-//   eight warps split the splits, so the reads spread over many SMs.
+// Three grids (which one a call uses is part of the kernel configuration,
+// csrc/dispatch/select.cc):
+// * combine_kernel: few pairs with many splits each (one long request at
+//   few heads). A CTA per row and 128-column slice whose eight warps split
+//   the splits, so the reads spread over many SMs.
 // * combine_rows_kernel, a warp per 128-column slice of a row: few pairs
-//   with fewer splits (8 requests at 96 heads, about 8 splits each).
+//   with fewer splits each.
 // * combine_rows_kernel, a warp per row over all of its columns: many pairs.
 // The rows kernels have no block barriers; the split weights pass between
 // lanes by shuffles and each lane keeps eight 16-byte loads in flight.
-// Measured (device traces, H200, combine us, block / warp per row / warp
-// per slice): 1 x 76.8k tokens at 12 heads 5.4 / 30.9 / 16.2; 1 x 4k at 128
-// heads 4.6 / 7.4 / 4.9; 8 x 42k at 12 heads 4.1 / 6.0 / 3.8, at 12 heads and
-// q_len 4 9.0 / 6.6 / 4.9, at 96 heads 14.1 / 4.7 / 4.5; 16 x 32k at 16
-// heads 6.6 / 4.2 / 3.2, at 128 heads 31.9 / 4.9 / 6.6; 64 x 8k at 16 heads
-// 16.9 / 3.2 / 3.7 (benchmarks/NOTES.md, v9).
+// Every grid gives the right answer for every shape; the two warp grids add
+// the splits in the same order, so they agree bit for bit.
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int kWarpColumns = 128;  // one float4 per lane
 constexpr int kRowWarps = 8;       // warps per CTA of combine_rows_kernel
 constexpr int kRowFloat4s = 4;     // float4s per lane of a 512-column row
-constexpr int64_t kBlockBelowPairs = 2048;  // combine_kernel: fewer pairs than this ...
-constexpr int kBlockMinSplits = 32;         // ... and at least this many splits per request
-constexpr int64_t kSliceBelowPairs = 1024;  // a warp per slice below this many pairs
 constexpr int kWeightChunk = 256;  // splits whose weights are staged in shared memory at once
-
-enum class CombineGrid { kBlock, kSlices, kRows };
 
 template <typename OutT>
 __device__ __forceinline__ void store4(OutT* dst, float4 v);
@@ -76,7 +64,7 @@ __device__ __forceinline__ void add_weighted(float4& acc, float w, float4 v) {
 // grid: (batch, rows, dv / kWarpColumns).
 template <typename OutT>
 __global__ void __launch_bounds__(kThreads) combine_kernel(PagedDecodeParams p, DecodeWorkspace ws) {
-  pdl_wait_for_previous();  // may be dispatched before the decode kernel ends (csrc/common/pdl.h)
+  pdl_wait_for_previous();  // may be dispatched before the decode kernel ends (csrc/smxx/pdl.cuh)
   const int b = blockIdx.x;
   const int row = blockIdx.y;
   const int splits = ws.request_meta[2 * b + 1];
@@ -181,7 +169,7 @@ __device__ __forceinline__ float warp_sum(float v) {
 // every SM's loads in flight otherwise.
 template <typename OutT, int kFloat4s>
 __global__ void __launch_bounds__(kRowWarps * 32) combine_rows_kernel(PagedDecodeParams p, DecodeWorkspace ws) {
-  pdl_wait_for_previous();  // may be dispatched before the decode kernel ends (csrc/common/pdl.h)
+  pdl_wait_for_previous();  // may be dispatched before the decode kernel ends (csrc/smxx/pdl.cuh)
   constexpr unsigned kAll = 0xffffffffu;
   constexpr int kDv = 32 * 4 * kRowFloat4s;
   constexpr int kUnroll = 8 / kFloat4s;  // splits loaded at once: 8 float4 loads of a lane in flight
@@ -259,31 +247,16 @@ __global__ void __launch_bounds__(kRowWarps * 32) combine_rows_kernel(PagedDecod
 
 }  // namespace
 
-cudaError_t run_combine(const PagedDecodeParams& params, const DecodeWorkspace& ws, cudaStream_t stream,
-                        bool programmatic_by_default) {
+cudaError_t run_combine(const PagedDecodeParams& params, const DecodeWorkspace& ws, CombineGrid grid,
+                        bool programmatic, cudaStream_t stream) {
   const int rows = params.rows_per_request();
   if (params.batch == 0 || rows == 0) return cudaSuccess;
   // dv is 512 here (checked by the caller): four kWarpColumns slices, the
-  // row width combine_rows_kernel assumes.
+  // row width combine_rows_kernel assumes. The decode kernel is the
+  // previous launch.
   const bool bf16 = params.q_type == ElemType::kBF16;
-  const int64_t pairs = int64_t{params.batch} * rows;
-  CombineGrid grid_kind = CombineGrid::kRows;
-  if (pairs < kBlockBelowPairs && int64_t{params.batch} * kBlockMinSplits <= ws.num_parts) {
-    grid_kind = CombineGrid::kBlock;
-  } else if (pairs < kSliceBelowPairs) {
-    grid_kind = CombineGrid::kSlices;
-  }
-  // MLA_JAX_COMBINE_GRID=block|rows|slices overrides the choice (tests and
-  // A/B runs; every grid gives the right answer for every shape).
-  if (const char* forced = std::getenv("MLA_JAX_COMBINE_GRID")) {
-    if (std::strcmp(forced, "block") == 0) grid_kind = CombineGrid::kBlock;
-    if (std::strcmp(forced, "rows") == 0) grid_kind = CombineGrid::kRows;
-    if (std::strcmp(forced, "slices") == 0) grid_kind = CombineGrid::kSlices;
-  }
   const int row_ctas = (rows + kRowWarps - 1) / kRowWarps;
-  // The decode kernel is the previous launch.
-  const bool programmatic = pdl_enabled(programmatic_by_default);
-  switch (grid_kind) {
+  switch (grid) {
     case CombineGrid::kBlock: {
       auto kernel = bf16 ? combine_kernel<__nv_bfloat16> : combine_kernel<__half>;
       return launch_kernel(kernel, dim3(params.batch, rows, params.kv_lora_rank / kWarpColumns), dim3(kThreads), 0,
@@ -303,5 +276,5 @@ cudaError_t run_combine(const PagedDecodeParams& params, const DecodeWorkspace& 
   }
 }
 
-}  // namespace sm80
+}  // namespace smxx
 }  // namespace mla_jax

@@ -6,15 +6,15 @@
 // last item) or exited; its first statement, pdl_wait_for_previous(),
 // returns only when the decode grid has completed and its writes are
 // visible. So only the launch latency and the CTA dispatch overlap the
-// decode, never data. When it is on by default, and why: sm80::paged_decode
-// (csrc/sm80/api.cu). MLA_JAX_PDL=1 or 0 forces it on or off.
+// decode, never data. Whether a call uses it is part of the kernel
+// configuration (csrc/dispatch/select.cc).
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <utility>
 
-#include "csrc/common/env_flag.h"
+#include "csrc/smxx/api.h"
 
 namespace mla_jax {
 
@@ -31,31 +31,16 @@ __device__ __forceinline__ void pdl_allow_dependents() {
 #endif
 }
 
-// Whether the next launch may overlap the kernel before it: MLA_JAX_PDL=1
-// (on), MLA_JAX_PDL=0 (off), unset or empty: `by_default`; and a device of
-// compute capability 9.0 or later. Host queries only (no stream work), so it
-// is safe while XLA captures the call into a command buffer, where the
-// overlap becomes a programmatic graph edge.
-inline bool pdl_enabled(bool by_default) {
-  if (!env_flag_or("MLA_JAX_PDL", by_default)) return false;
-  int device = 0, major = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) return false;
-  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) return false;
-  return major >= 9;
-}
-
 // kernel<<<grid, block, smem, stream>>>(args...), with programmatic stream
 // serialisation when `programmatic` and the kernel's code was compiled for
-// sm_90 or later: a build without 90a/100a code runs PTX JIT-compiled for an
-// older target, where pdl_wait_for_previous() is compiled out, so the
-// attribute would let the kernel race the one before it.
+// sm_90 or later. Invariant: a kernel whose code lacks griddepcontrol (a
+// build without 90a/100a code runs PTX JIT-compiled for an older target,
+// where pdl_wait_for_previous() is compiled out) is never launched with the
+// attribute, which would let it race the kernel before it.
 template <typename... Params, typename... Args>
 cudaError_t launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
                           bool programmatic, Args&&... args) {
-  if (programmatic) {
-    cudaFuncAttributes attrs;
-    programmatic = cudaFuncGetAttributes(&attrs, kernel) == cudaSuccess && attrs.ptxVersion >= 90;
-  }
+  if (programmatic) programmatic = smxx::kernel_has_sm90_code(reinterpret_cast<const void*>(kernel));
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;

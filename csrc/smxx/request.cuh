@@ -3,10 +3,9 @@
 #pragma once
 
 #include "csrc/common/mla_params.h"
-#include "csrc/sm80/api.h"
 
 namespace mla_jax {
-namespace sm80 {
+namespace smxx {
 
 struct RequestSpan {
   int64_t len;  // positions to stream (tokens of the cache, or top-k entries)
@@ -16,12 +15,11 @@ struct RequestSpan {
 // Dense mode: seq_lens[r], valid when 0 <= len <= max_pages_per_seq * page_size.
 // Sparse mode: request r is query token r % group of batch entry r / group; it
 // streams min(topk_lens[b], topk) index entries (all topk without topk_lens).
-__device__ __forceinline__ RequestSpan request_span(const PagedDecodeParams& p, const DecodeWorkspace& ws,
-                                                    int r) {
+__device__ __forceinline__ RequestSpan request_span(const PagedDecodeParams& p, int r) {
   if (p.indices != nullptr) {
     int64_t len = p.topk;
     if (p.topk_lens != nullptr) {
-      const int64_t l = p.topk_lens[r / ws.sparse_group];
+      const int64_t l = p.topk_lens[r / p.sparse_group];
       len = l < 0 ? 0 : (l < len ? l : len);
     }
     return {len, true};
@@ -31,5 +29,5 @@ __device__ __forceinline__ RequestSpan request_span(const PagedDecodeParams& p, 
   return {valid ? len : 0, valid};
 }
 
-}  // namespace sm80
+}  // namespace smxx
 }  // namespace mla_jax

@@ -1,0 +1,107 @@
+// The split-KV workspace: one byte buffer that XLA allocates as the CUDA
+// handler's scratch result, carved into regions by workspace_layout().
+//
+// Every region's size is affine in the number of kernel requests R (B for
+// paged decode, B * q_len for sparse decode), and the regions whose sizes
+// are multiples of 16 bytes come first, so the total is exactly
+// per_request_bytes * R + fixed_bytes with no padding that depends on R.
+// That lets Python size the buffer for a symbolic batch (jax.export) from
+// the same two numbers (bound in ffi/module.cc) that the handler uses to
+// find the regions again. Plain C++: compiled into every build.
+#pragma once
+
+#include <cstdint>
+
+#include "csrc/common/mla_params.h"
+
+namespace mla_jax {
+
+// Largest SM count the workspace is sized for when no CUDA device is
+// visible at trace time (an export made on a CPU host). On a device with
+// more SMs the schedule uses fewer partitions than SMs; it stays correct.
+constexpr int kMaxSupportedSmCount = 160;
+
+// Byte offsets of the regions for R requests (see DecodeWorkspace).
+struct WorkspaceLayout {
+  int64_t part_begin = 0;    // int32 [parts + 1]
+  int64_t items = 0;         // int32 [item_regions * max_items, 4]
+  int64_t out_accum = 0;     // float [max_items, rows, dv]
+  int64_t request_meta = 0;  // int32 [R, 2]
+  int64_t lse_accum = 0;     // float [max_items, rows]
+  int64_t total = 0;
+  int64_t max_items = 0;     // R + parts: the scheduler never makes more items
+  int item_regions = 1;      // one items region per 64-row block
+};
+
+MLA_HOST_DEVICE constexpr int64_t round_up_16(int64_t x) { return (x + 15) / 16 * 16; }
+
+// rows: query rows per kernel request; dv: output width (512 for the CUDA
+// kernels); parts: the most persistent partitions the schedule may use.
+MLA_HOST_DEVICE constexpr WorkspaceLayout workspace_layout(int64_t requests, int64_t rows, int64_t dv,
+                                                           int64_t parts) {
+  WorkspaceLayout w;
+  const int64_t row_blocks = (rows + 63) / 64;
+  w.max_items = requests + parts;
+  w.item_regions = static_cast<int>(row_blocks);
+  w.part_begin = 0;
+  w.items = round_up_16((parts + 1) * 4);                  // fixed, padded to 16
+  w.out_accum = w.items + w.max_items * row_blocks * 16;   // 16 bytes per item and region
+  w.request_meta = w.out_accum + w.max_items * rows * dv * 4;
+  w.lse_accum = w.request_meta + requests * 8;
+  w.total = w.lse_accum + w.max_items * rows * 4;
+  return w;
+}
+
+// total == per_request * R + fixed for every R (rows, dv, parts fixed).
+struct WorkspaceSize {
+  int64_t per_request = 0;
+  int64_t fixed = 0;
+};
+MLA_HOST_DEVICE constexpr WorkspaceSize workspace_size(int64_t rows, int64_t dv, int64_t parts) {
+  const int64_t fixed = workspace_layout(0, rows, dv, parts).total;
+  return {workspace_layout(1, rows, dv, parts).total - fixed, fixed};
+}
+
+// Persistent KV partitions for a request of `rows` query rows: one per
+// group of SMs that together run all of its 64-row blocks, at most the
+// workspace's capacity.
+MLA_HOST_DEVICE constexpr int num_partitions(int sm_count, int64_t rows, int workspace_parts) {
+  const int64_t row_blocks = (rows + 63) / 64;
+  const int64_t by_sms = row_blocks > 0 ? sm_count / row_blocks : sm_count;
+  const int64_t parts = by_sms < workspace_parts ? by_sms : workspace_parts;
+  return parts > 1 ? static_cast<int>(parts) : 1;
+}
+
+// The workspace as the kernels see it: buffers and their capacities only.
+struct DecodeWorkspace {
+  int32_t* request_meta = nullptr;  // [requests, 2]: first item, number of splits
+  int32_t* part_begin = nullptr;    // [num_parts + 1]: first item of each partition
+  // [item_regions * max_items, 4]: request, block begin, block end, partition
+  // (the scheduler kernel writes region 0). When the seesaw kernel
+  // schedules in every CTA, the CTAs of row block x write their partition's
+  // items to region x as request, block begin, block end, the request's
+  // item count.
+  int32_t* items = nullptr;
+  float* out_accum = nullptr;  // [max_items, rows, kv_lora_rank]: normalised partial outputs
+  float* lse_accum = nullptr;  // [max_items, rows]: partial LSEs (natural log)
+  int max_items = 0;           // >= requests + num_parts
+  int item_regions = 1;        // regions of max_items entries in items
+};
+
+// How the split-KV work is cut and who cuts it, fixed by the host per call
+// (csrc/dispatch/decode.cu from the kernel configuration).
+struct SplitSchedule {
+  int num_parts = 1;       // persistent partitions (grid dimension of the decode)
+  int max_num_splits = 0;  // cap on splits per request; 0 = none
+  // true: the decode kernel schedules inline (smxx/schedule_inline.cuh);
+  // items and part_begin are not used, request_meta is written by the
+  // decode kernel.
+  bool inline_schedule = false;
+  // true: each CTA of the seesaw kernel computes the whole schedule
+  // (smxx/schedule_block.cuh) and keeps its partition's items (items
+  // region of its row block); part_begin is not used, request_meta is
+  // written by CTA (0, 0). Needs item_regions >= the grid's row blocks.
+  bool schedule_in_decode = false;
+};
+
+}  // namespace mla_jax

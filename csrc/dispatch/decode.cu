@@ -1,0 +1,90 @@
+// Host-side dispatch of a decode call to the kernels of the selected
+// configuration.
+#include "csrc/dispatch/decode.h"
+
+#include <mutex>
+
+#include "csrc/sm80/api.h"
+#include "csrc/sm90/api.h"
+#include "csrc/smxx/api.h"
+
+namespace mla_jax {
+
+const DeviceInfo& device_info(int device_ordinal) {
+  constexpr int kMaxDevices = 64;
+  static DeviceInfo infos[kMaxDevices];
+  static std::once_flag once[kMaxDevices];
+  static DeviceInfo invalid{0, 0, cudaErrorInvalidDevice};
+  if (device_ordinal < 0 || device_ordinal >= kMaxDevices) return invalid;
+  std::call_once(once[device_ordinal], [device_ordinal] {
+    DeviceInfo& d = infos[device_ordinal];
+    int major = 0, minor = 0;
+    d.status = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device_ordinal);
+    if (d.status == cudaSuccess)
+      d.status = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device_ordinal);
+    if (d.status == cudaSuccess)
+      d.status = cudaDeviceGetAttribute(&d.sm_count, cudaDevAttrMultiProcessorCount, device_ordinal);
+    d.arch = 10 * major + minor;
+  });
+  return infos[device_ordinal];
+}
+
+bool build_has_sm90a() {
+#if defined(MLA_JAX_SM90A)
+  return true;
+#else
+  return false;
+#endif
+}
+
+cudaError_t run_paged_decode(const PagedDecodeParams& params, const DecodeWorkspace& ws, const KernelConfig& config,
+                             int num_parts, int max_num_splits, cudaStream_t stream) {
+  if (params.batch == 0 || params.rows_per_request() == 0) return cudaSuccess;
+  SplitSchedule schedule;
+  schedule.num_parts = num_parts;
+  schedule.max_num_splits = max_num_splits;
+  schedule.inline_schedule = config.schedule == ScheduleMode::kInline;
+  schedule.schedule_in_decode = config.schedule == ScheduleMode::kBlock;
+  cudaError_t err = cudaSuccess;
+  switch (config.kernel) {
+    case KernelFamily::kSm90Seesaw:
+    case KernelFamily::kSm90Lockstep: {
+#if defined(MLA_JAX_SM90A)
+      const bool seesaw = config.kernel == KernelFamily::kSm90Seesaw;
+      err = params.q_type == ElemType::kBF16 ? sm90::run_decode_bf16(params, ws, schedule, seesaw, stream)
+                                             : sm90::run_decode_fp16(params, ws, schedule, seesaw, stream);
+#else
+      err = cudaErrorNoKernelImageForDevice;  // select_kernel never picks it in such a build
+#endif
+      break;
+    }
+    case KernelFamily::kPortable:
+      if (params.kv_format == KvFormat::kFp8DsMla) {
+        err = sm80::run_decode_ds_mla(params, ws, schedule, stream);
+      } else {
+        switch (params.kv_type) {
+          case ElemType::kBF16: err = sm80::run_decode_bf16(params, ws, schedule, stream); break;
+          case ElemType::kF16: err = sm80::run_decode_fp16(params, ws, schedule, stream); break;
+          case ElemType::kFP8E4M3: err = sm80::run_decode_fp8(params, ws, schedule, stream); break;
+        }
+      }
+      break;
+    default:
+      err = cudaErrorInvalidValue;  // an unresolved configuration
+  }
+  if (err != cudaSuccess) return err;
+  return smxx::run_combine(params, ws, config.combine_grid, config.programmatic_combine == Switch::kOn, stream);
+}
+
+cudaError_t run_sparse_decode(const PagedDecodeParams& params, const DecodeWorkspace& ws, const KernelConfig& config,
+                              int num_parts, cudaStream_t stream) {
+  // Every query token has its own index row: run B*Q requests of one token.
+  PagedDecodeParams per_token = params;
+  per_token.batch = params.batch * params.q_len;
+  per_token.q_len = 1;
+  per_token.causal = false;
+  per_token.sparse_group = params.q_len;
+  return run_paged_decode(per_token, ws, config, num_parts, /*max_num_splits=*/0, stream);
+}
+
+}  // namespace mla_jax

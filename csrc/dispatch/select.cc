@@ -1,0 +1,245 @@
+#include "csrc/dispatch/select.h"
+
+#include <cstdint>
+#include <string>
+
+namespace mla_jax {
+namespace {
+
+// Thresholds of the choices below. The combine's: few (request, row) pairs
+// with many splits each read best with a CTA per row and column slice,
+// fewer splits with a warp per column slice, many pairs with a warp per row.
+constexpr int64_t kCombineBlockBelowPairs = 2048;  // block grid: fewer pairs than this ...
+constexpr int64_t kCombineBlockMinSplits = 32;     // ... and at least this many partitions per request
+constexpr int64_t kCombineSliceBelowPairs = 1024;  // a warp per slice below this many pairs
+
+const char* family_name(KernelFamily k) {
+  switch (k) {
+    case KernelFamily::kPortable: return "portable";
+    case KernelFamily::kSm90Lockstep: return "sm90_lockstep";
+    case KernelFamily::kSm90Seesaw: return "sm90_seesaw";
+    default: return "auto";
+  }
+}
+
+const char* schedule_name(ScheduleMode s) {
+  switch (s) {
+    case ScheduleMode::kSchedulerKernel: return "kernel";
+    case ScheduleMode::kInline: return "inline";
+    case ScheduleMode::kBlock: return "block";
+    default: return "auto";
+  }
+}
+
+const char* grid_name(CombineGrid g) {
+  switch (g) {
+    case CombineGrid::kBlock: return "block";
+    case CombineGrid::kRows: return "rows";
+    case CombineGrid::kSlices: return "slices";
+    default: return "auto";
+  }
+}
+
+const char* switch_name(Switch s) {
+  switch (s) {
+    case Switch::kOn: return "on";
+    case Switch::kOff: return "off";
+    default: return "auto";
+  }
+}
+
+template <typename E, size_t N>
+bool parse_name(const std::string& field, const char* (&name)(E), const E (&values)[N], E* out) {
+  for (E v : values) {
+    if (field == name(v)) {
+      *out = v;
+      return true;
+    }
+  }
+  return false;
+}
+
+std::string arch_str(int arch) { return "sm_" + std::to_string(arch); }
+
+}  // namespace
+
+std::string format_config(const KernelConfig& c) {
+  return std::string(family_name(c.kernel)) + "," + schedule_name(c.schedule) + "," + grid_name(c.combine_grid) +
+         "," + switch_name(c.programmatic_combine);
+}
+
+bool parse_config(const std::string& text, KernelConfig* c, std::string* why) {
+  std::string fields[4];
+  size_t start = 0;
+  for (int i = 0; i < 4; ++i) {
+    const size_t comma = text.find(',', start);
+    if ((comma == std::string::npos) != (i == 3)) {
+      *why = "expected 4 comma-separated fields, got '" + text + "'";
+      return false;
+    }
+    fields[i] = text.substr(start, i == 3 ? std::string::npos : comma - start);
+    start = comma + 1;
+  }
+  static constexpr KernelFamily kFamilies[] = {KernelFamily::kAuto, KernelFamily::kPortable,
+                                               KernelFamily::kSm90Lockstep, KernelFamily::kSm90Seesaw};
+  static constexpr ScheduleMode kSchedules[] = {ScheduleMode::kAuto, ScheduleMode::kSchedulerKernel,
+                                                ScheduleMode::kInline, ScheduleMode::kBlock};
+  static constexpr CombineGrid kGrids[] = {CombineGrid::kAuto, CombineGrid::kBlock, CombineGrid::kRows,
+                                           CombineGrid::kSlices};
+  static constexpr Switch kSwitches[] = {Switch::kAuto, Switch::kOff, Switch::kOn};
+  const char* bad = !parse_name(fields[0], family_name, kFamilies, &c->kernel)       ? "kernel"
+                    : !parse_name(fields[1], schedule_name, kSchedules, &c->schedule) ? "schedule"
+                    : !parse_name(fields[2], grid_name, kGrids, &c->combine_grid)     ? "combine_grid"
+                    : !parse_name(fields[3], switch_name, kSwitches, &c->programmatic_combine)
+                        ? "programmatic_combine"
+                        : nullptr;
+  if (bad != nullptr) {
+    *why = std::string("unknown ") + bad + " in '" + text + "'";
+    return false;
+  }
+  return true;
+}
+
+Selection select_kernel(const DecodeFacts& f, const KernelConfig& requested, std::string* explain) {
+  Selection sel;
+  KernelConfig& c = sel.config;
+  c = requested;
+  auto note = [&](const std::string& line) {
+    if (explain != nullptr) *explain += line + "\n";
+  };
+  auto fail = [&](const std::string& why) {
+    sel.error = why;
+    note("error: " + why);
+    return sel;
+  };
+
+  if (f.kv_lora_rank != 512 || f.qk_rope_head_dim != 64)
+    return fail("the CUDA kernels need kv_lora_rank 512 and qk_rope_head_dim 64, got " +
+                std::to_string(f.kv_lora_rank) + " and " + std::to_string(f.qk_rope_head_dim));
+  if (f.q_type != ElemType::kBF16 && f.q_type != ElemType::kF16) return fail("the query must be bf16 or fp16");
+  if (f.page_size < 1) return fail("page_size must be positive");
+
+  const int64_t rows = f.rows();
+  const int64_t requests = f.requests();
+  const bool arch_known = f.arch > 0;
+  const bool sm90_device = f.arch / 10 == 9;
+  const bool plain16 = f.kv_format == KvFormat::kPlain && f.kv_type == f.q_type;
+  const int64_t slots = f.num_pages < 0 ? kUnknownSize : f.num_pages * f.page_size;
+  // TMA boxes copy whole 64-token tiles of one page, with int32 row coordinates.
+  const bool tma = f.op == DecodeOp::kPaged && f.page_size % 64 == 0 && f.kv_aligned && plain16 &&
+                   (slots < 0 || (slots > 0 && slots <= INT32_MAX));
+  const bool wide = portable_rows_per_cta(rows) == 64;
+
+  // 1. The decode kernel.
+  if (c.kernel == KernelFamily::kAuto) {
+    if (!arch_known) {
+      note("kernel: auto, chosen on the device (no CUDA device was visible when the call was traced)");
+    } else if (!sm90_device || !f.build_sm90a) {
+      c.kernel = KernelFamily::kPortable;
+      note(std::string("kernel: portable (") +
+           (!sm90_device ? "the Hopper kernels are for sm_90; this device is " + arch_str(f.arch)
+                         : std::string("this build has no sm_90a code")) + ")");
+    } else if (!plain16) {
+      c.kernel = KernelFamily::kPortable;
+      note("kernel: portable (FP8 caches, e4m3 with kv_scale or fp8_ds_mla, are dequantised by the portable kernel)");
+    } else if (tma) {
+      c.kernel = KernelFamily::kSm90Seesaw;
+      note("kernel: sm90_seesaw (sm_90, a paged cache whose page_size is a multiple of 64: TMA loads whole "
+           "64-token tiles; " + std::to_string(rows) + " query rows per request in 64-row blocks)");
+    } else if (wide) {
+      c.kernel = KernelFamily::kSm90Lockstep;
+      note("kernel: sm90_lockstep (sm_90, " + std::to_string(rows) + " query rows per request; the cache is "
+           "gathered row by row: " + (f.op == DecodeOp::kSparse ? "sparse indices" : "page_size below 64 or not a multiple of 64") + ")");
+    } else {
+      c.kernel = KernelFamily::kPortable;
+      note("kernel: portable (" + std::to_string(rows) + " query rows per request and a cache TMA cannot load "
+           "tile by tile: the portable kernel's " + std::to_string(portable_rows_per_cta(rows)) + "-row blocks)");
+    }
+  } else {
+    const bool sm90 = c.kernel == KernelFamily::kSm90Lockstep || c.kernel == KernelFamily::kSm90Seesaw;
+    if (sm90) {
+      if (arch_known && !sm90_device)
+        return fail(std::string("kernel '") + family_name(c.kernel) + "' needs an sm_90 device, this one is " + arch_str(f.arch));
+      if (!f.build_sm90a)
+        return fail(std::string("kernel '") + family_name(c.kernel) + "' needs a build with sm_90a code (MLA_JAX_CUDA_ARCHS)");
+      if (!plain16)
+        return fail(std::string("kernel '") + family_name(c.kernel) + "' serves bf16/fp16 caches in the query dtype only");
+      if (c.kernel == KernelFamily::kSm90Seesaw && !tma)
+        return fail("kernel 'sm90_seesaw' needs TMA loads: paged decode with page_size a multiple of 64 and "
+                    "16-byte aligned cache rows");
+      if (c.kernel == KernelFamily::kSm90Lockstep && !wide)
+        return fail("kernel 'sm90_lockstep' serves more than 32 query rows per request (q_len x heads), got " +
+                    std::to_string(rows));
+    }
+    note(std::string("kernel: ") + family_name(c.kernel) + " (requested by the plan)");
+  }
+
+  // 2. Who schedules the splits.
+  const bool seesaw = c.kernel == KernelFamily::kSm90Seesaw;
+  if (c.schedule == ScheduleMode::kAuto) {
+    if (c.kernel == KernelFamily::kAuto) {
+      // decided with the kernel
+    } else if (!seesaw) {
+      c.schedule = ScheduleMode::kSchedulerKernel;
+      note("schedule: kernel (the scheduler kernel runs before the decode)");
+    } else if (requests < 0) {
+      note("schedule: auto, chosen on the device (the batch size is symbolic)");
+    } else if (requests <= kInlineScheduleMaxRequests) {
+      c.schedule = ScheduleMode::kInline;
+      note("schedule: inline (" + std::to_string(requests) + " requests: one warp of every decode CTA schedules)");
+    } else {
+      c.schedule = ScheduleMode::kBlock;
+      note("schedule: block (" + std::to_string(requests) + " requests: every decode CTA computes the schedule)");
+    }
+  } else {
+    if (c.schedule != ScheduleMode::kSchedulerKernel && c.kernel != KernelFamily::kAuto && !seesaw)
+      return fail(std::string("schedule '") + schedule_name(c.schedule) + "' is the sm90_seesaw kernel's; kernel '" +
+                  family_name(c.kernel) + "' uses schedule 'kernel'");
+    if (c.schedule == ScheduleMode::kInline && requests > kInlineScheduleMaxRequests)
+      return fail("schedule 'inline' serves at most " + std::to_string(kInlineScheduleMaxRequests) +
+                  " requests, got " + std::to_string(requests));
+    note(std::string("schedule: ") + schedule_name(c.schedule) + " (requested by the plan)");
+  }
+
+  // 3. The combine's grid: by (request, row) pairs and partitions per request.
+  if (c.combine_grid == CombineGrid::kAuto) {
+    if (requests < 0 || f.sm_count <= 0) {
+      note("combine grid: auto, chosen on the device (it depends on the batch size and the SM count)");
+    } else {
+      const int parts = num_partitions(f.sm_count, rows, f.workspace_parts);
+      const int64_t pairs = requests * rows;
+      if (pairs < kCombineBlockBelowPairs && requests * kCombineBlockMinSplits <= parts) {
+        c.combine_grid = CombineGrid::kBlock;
+      } else if (pairs < kCombineSliceBelowPairs) {
+        c.combine_grid = CombineGrid::kSlices;
+      } else {
+        c.combine_grid = CombineGrid::kRows;
+      }
+      note(std::string("combine grid: ") + grid_name(c.combine_grid) + " (" + std::to_string(pairs) +
+           " (request, row) pairs, " + std::to_string(parts) + " partitions)");
+    }
+  } else {
+    note(std::string("combine grid: ") + grid_name(c.combine_grid) + " (requested by the plan)");
+  }
+
+  // 4. Programmatic launch of the combine: worth it after the seesaw kernel
+  //    when its CTAs run several items each (more requests than the inline
+  //    schedule takes), so the combine's launch hides behind the last ones.
+  if (c.programmatic_combine == Switch::kAuto) {
+    if (c.kernel == KernelFamily::kAuto || (seesaw && requests < 0)) {
+      note("programmatic combine: auto, chosen on the device");
+    } else {
+      const bool on = seesaw && requests > kInlineScheduleMaxRequests;
+      c.programmatic_combine = on ? Switch::kOn : Switch::kOff;
+      note(std::string("programmatic combine: ") + (on ? "on (sm90_seesaw with more than 32 requests)" : "off"));
+    }
+  } else {
+    if (c.programmatic_combine == Switch::kOn && arch_known && f.arch < 90)
+      return fail("programmatic combine needs sm_90 or later, this device is " + arch_str(f.arch));
+    note(std::string("programmatic combine: ") + (c.programmatic_combine == Switch::kOn ? "on" : "off") +
+         " (requested by the plan)");
+  }
+  return sel;
+}
+
+}  // namespace mla_jax

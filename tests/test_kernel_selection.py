@@ -1,0 +1,174 @@
+"""Kernel selection (csrc/dispatch/select.cc) as a user sees it: mla_jax.explain,
+the plan's kernel field, and the FFI attributes in the lowered program.
+
+Selection needs no GPU: explain() takes a described device (CudaDevice), so
+these tests run on CPU hosts (CI) and check the capability table of
+docs/design.md. Expectations for the Hopper kernels need a build with sm_90a
+code (the default CUDA build); a CPU-only build selects "portable" for sm_90.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import mla_jax
+from mla_jax import KernelChoice
+
+H200 = mla_jax.CudaDevice(arch=90, sm_count=132)
+B200 = mla_jax.CudaDevice(arch=100, sm_count=148)
+SM_SCALE = 1 / 192**0.5
+needs_sm90a = pytest.mark.skipif(not (mla_jax._ffi.has_extension() and mla_jax._ffi.ext().has_sm90a()),
+                                 reason="this build has no sm_90a code")
+
+
+def _paged(batch, heads, page_size, q_len=1, kv_dtype=jnp.bfloat16, pages=50):
+  q_shape = (batch, heads, 576) if q_len == 1 else (batch, q_len, heads, 576)
+  return (jax.ShapeDtypeStruct(q_shape, jnp.bfloat16), jax.ShapeDtypeStruct((pages, page_size, 576), kv_dtype),
+          jax.ShapeDtypeStruct((batch, 8), jnp.int32), jax.ShapeDtypeStruct((batch,), jnp.int32))
+
+
+def _explain_paged(batch, heads, page_size, q_len=1, kernel="auto", device=H200, **kw):
+  plan = mla_jax.DecodePlan(num_heads=heads, page_size=page_size, sm_scale=SM_SCALE, q_len=q_len,
+                            backend="cuda", kernel=kernel)
+  return mla_jax.explain(plan, *_paged(batch, heads, page_size, q_len, **kw), device=device)
+
+
+@needs_sm90a
+@pytest.mark.parametrize("batch,heads,page_size,q_len,want", [
+    # combine grid: "block" below 2048 (request, row) pairs with >= 32 partitions
+    # per request (132 SMs / 64-row blocks), else "slices" below 1024 pairs, else "rows"
+    (4, 128, 64, 1, KernelChoice("sm90_seesaw", "inline", "slices", False)),
+    (64, 16, 64, 1, KernelChoice("sm90_seesaw", "block", "rows", True)),
+    (128, 128, 64, 2, KernelChoice("sm90_seesaw", "block", "rows", True)),
+    (1, 16, 256, 1, KernelChoice("sm90_seesaw", "inline", "block", False)),
+    (4, 128, 16, 1, KernelChoice("sm90_lockstep", "kernel", "slices", False)),
+    (4, 16, 2, 4, KernelChoice("sm90_lockstep", "kernel", "block", False)),   # 64 rows: q_len x heads
+    (4, 16, 16, 1, KernelChoice("portable", "kernel", "block", False)),
+    (4, 32, 32, 1, KernelChoice("portable", "kernel", "block", False)),
+    (40, 32, 32, 1, KernelChoice("portable", "kernel", "rows", False)),
+])
+def test_hopper_capability_table(batch, heads, page_size, q_len, want):
+  got = _explain_paged(batch, heads, page_size, q_len)
+  assert got.backend == "cuda" and got.kernel == want, str(got)
+
+
+@pytest.mark.parametrize("device", [B200, mla_jax.CudaDevice(arch=80, sm_count=108)])
+def test_other_architectures_run_the_portable_kernel(device):
+  got = _explain_paged(4, 128, 64, device=device)
+  assert got.kernel.kernel == "portable", str(got)
+  assert any("sm_" + str(device.arch) in line for line in got.reasons), str(got)
+
+
+def test_fp8_cache_runs_the_portable_kernel():
+  plan = mla_jax.DecodePlan(num_heads=128, page_size=64, sm_scale=SM_SCALE, backend="cuda")
+  got = mla_jax.explain(plan, *_paged(4, 128, 64, kv_dtype=jnp.float8_e4m3fn),
+                        kv_scale=jax.ShapeDtypeStruct((), jnp.float32), device=H200)
+  assert got.kernel.kernel == "portable", str(got)
+
+
+@needs_sm90a
+@pytest.mark.parametrize("heads,kv_format,want", [(64, "bf16", "sm90_lockstep"), (128, "fp8_ds_mla", "portable"),
+                                                  (16, "bf16", "portable")])
+def test_sparse_capability_table(heads, kv_format, want):
+  plan = mla_jax.SparseDecodePlan(num_heads=heads, page_size=64, sm_scale=SM_SCALE, topk=128, kv_format=kv_format,
+                                  backend="cuda")
+  kv = (jax.ShapeDtypeStruct((20, 64, 656), jnp.uint8) if kv_format == "fp8_ds_mla"
+        else jax.ShapeDtypeStruct((20, 64, 576), jnp.bfloat16))
+  got = mla_jax.explain(plan, jax.ShapeDtypeStruct((3, heads, 576), jnp.bfloat16), kv,
+                        jax.ShapeDtypeStruct((3, 128), jnp.int32), device=H200)
+  assert got.kernel.kernel == want and got.kernel.schedule == "kernel", str(got)
+
+
+def test_forced_fields_are_kept_and_explained():
+  choice = KernelChoice(kernel="portable", schedule="kernel", combine_grid="slices", programmatic_combine=True)
+  got = _explain_paged(4, 128, 64, kernel=choice)
+  assert got.kernel == choice
+  assert sum("requested by the plan" in line for line in got.reasons[1:]) == 4, str(got)
+
+
+@pytest.mark.parametrize("kernel,page_size,batch,match", [
+    ("sm90_seesaw", 16, 4, "TMA"),
+    (KernelChoice(kernel="portable", schedule="inline"), 64, 4, "seesaw"),
+    (KernelChoice(schedule="inline"), 64, 40, "at most 32 requests"),
+    ("sm90_lockstep", 16, 4, "more than 32 query rows"),
+])
+def test_forced_choice_that_cannot_serve_the_call_is_a_trace_time_error(kernel, page_size, batch, match):
+  heads = 16 if kernel == "sm90_lockstep" else 128
+  with pytest.raises(ValueError, match="DecodePlan.kernel") as e:
+    _explain_paged(batch, heads, page_size, kernel=kernel)
+  if mla_jax._ffi.ext().has_sm90a():
+    assert match in str(e.value)
+
+
+def test_hopper_kernel_on_another_architecture_is_an_error():
+  with pytest.raises(ValueError, match="sm_100"):
+    _explain_paged(4, 128, 64, kernel="sm90_seesaw", device=B200)
+
+
+def test_unknown_device_leaves_the_choice_to_the_device():
+  got = _explain_paged(4, 128, 64, device=jax.devices("cpu")[0])
+  assert got.kernel == KernelChoice(), str(got)
+  assert any("chosen on the device" in line for line in got.reasons)
+
+
+def test_symbolic_batch_leaves_batch_dependent_fields_open():
+  if not mla_jax._ffi.ext().has_sm90a():
+    pytest.skip("this build has no sm_90a code")
+  b, = jax.export.symbolic_shape("b")
+  plan = mla_jax.DecodePlan(num_heads=128, page_size=64, sm_scale=SM_SCALE, backend="cuda")
+  args = (jax.ShapeDtypeStruct((b, 128, 576), jnp.bfloat16), jax.ShapeDtypeStruct((50, 64, 576), jnp.bfloat16),
+          jax.ShapeDtypeStruct((b, 8), jnp.int32), jax.ShapeDtypeStruct((b,), jnp.int32))
+  got = mla_jax.explain(plan, *args, device=H200)
+  assert got.kernel == KernelChoice(kernel="sm90_seesaw"), str(got)
+
+
+@pytest.mark.parametrize("bad", [dict(kernel="sm90"), dict(schedule="warp"), dict(combine_grid="slice"),
+                                 dict(programmatic_combine=1)])
+def test_kernel_choice_validates_its_fields(bad):
+  with pytest.raises((ValueError, TypeError)):
+    KernelChoice(**bad)
+  if "kernel" in bad:  # a plan's kernel string names the kernel
+    with pytest.raises(ValueError, match="DecodePlan.kernel"):
+      mla_jax.DecodePlan(num_heads=16, page_size=64, sm_scale=SM_SCALE, kernel=bad["kernel"])
+
+
+def test_plan_kernel_of_another_type_is_a_type_error():
+  with pytest.raises(TypeError, match="DecodePlan.kernel"):
+    mla_jax.DecodePlan(num_heads=16, page_size=64, sm_scale=SM_SCALE, kernel=3)
+
+
+def test_plan_kernel_string_is_a_kernel_choice_and_hashable():
+  a = mla_jax.DecodePlan(num_heads=16, page_size=64, sm_scale=SM_SCALE, kernel="portable")
+  b = mla_jax.DecodePlan(num_heads=16, page_size=64, sm_scale=SM_SCALE, kernel=KernelChoice(kernel="portable"))
+  assert a == b and hash(a) == hash(b) and a.kernel == KernelChoice("portable")
+
+
+def test_cpu_backend_and_xla_are_explained():
+  plan = mla_jax.DecodePlan(num_heads=16, page_size=64, sm_scale=SM_SCALE)
+  got = mla_jax.explain(plan, *_paged(4, 16, 64), device=jax.devices("cpu")[0])
+  assert got.backend == "cpu" and got.kernel is None
+  xla = mla_jax.explain(mla_jax.DecodePlan(num_heads=16, page_size=64, sm_scale=SM_SCALE, backend="xla"),
+                        *_paged(4, 16, 64))
+  assert xla.backend == "xla"
+
+
+def test_choice_travels_as_attributes_in_the_lowered_program():
+  if not mla_jax._ffi.has_cuda_target(mla_jax._ffi.CUDA_TARGET):
+    pytest.skip("this build has no CUDA kernels")
+  choice = KernelChoice(kernel="portable", schedule="kernel", combine_grid="rows", programmatic_combine=False)
+  plan = mla_jax.DecodePlan(num_heads=16, page_size=64, sm_scale=SM_SCALE, backend="cuda", kernel=choice)
+  f = jax.jit(lambda q, kv, bt, sl: mla_jax.paged_decode(q, kv, bt, sl, plan=plan))
+  text = f.trace(*_paged(4, 16, 64)).lower(lowering_platforms=("cuda",)).as_text()
+  assert 'kernel_config = "portable,kernel,rows,off"' in text, text[-2000:]
+  assert 'kernel_request = "portable,kernel,rows,off"' in text
+  assert "workspace_parts" in text
+
+
+def test_workspace_is_affine_in_the_batch():
+  ext = mla_jax._ffi.ext()
+  per_request, fixed = ext.workspace_size(128, 512, 132)
+  assert per_request > 0 and fixed > 0 and per_request % 8 == 0
+  # every request brings its partial output rows, LSEs, items and metadata
+  assert per_request == 128 * 512 * 4 + 128 * 4 + 2 * 16 + 8
+  assert np.all(np.asarray(ext.workspace_size(1, 512, 1)) > 0)
