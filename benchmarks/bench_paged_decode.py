@@ -523,7 +523,8 @@ def bench_row(i, row, args, ceil, anchors, primary, target, t_start):
   data = (qs, caches, bt_d, sl_d, bt, seq, np.asarray(idx))
   counts = (sum_seq, flops, nbytes)
   mk = lambda backend: DecodePlan(num_heads=row.h, page_size=PAGE_SIZE, sm_scale=SM_SCALE,
-                                  q_len=row.q, causal=row.causal, backend=backend)
+                                  q_len=row.q, causal=row.causal, backend=backend,
+                                  kernel=args.kernel if backend != "xla" else "auto")
 
   # Primary backend (what users get).
   try:
@@ -726,6 +727,8 @@ def main(argv=None):
   p.add_argument("--backend", default="auto", choices=("auto", "cuda", "cpu", "xla"),
                  help="backend of the timed mla_jax op (default auto)")
   p.add_argument("--no-xla", action="store_true", help="skip the xla-backend baseline")
+  p.add_argument("--kernel", default="auto", choices=("auto", "portable", "sm90_lockstep", "sm90_seesaw"),
+                 help="DecodePlan.kernel of the timed op (default auto); see mla_jax.explain")
   p.add_argument("--anchors", default=None,
                  help="anchors dir (or its flashmla_h200.json); default: shared/anchors in or "
                       "beside the repo")
@@ -797,7 +800,7 @@ def main(argv=None):
       jax_version=jax.__version__, jaxlib_version=jaxlib.__version__,
       python=sys.version.split()[0], mla_jax_version=mla_jax.__version__,
       mla_jax_file=mla_jax.__file__, has_cuda_kernels=_ffi.has_cuda_kernels(),
-      cuda_archs=_ffi.cuda_archs(), backend_requested=args.backend, backend_resolved=resolved,
+      cuda_archs=_ffi.cuda_archs(), backend_requested=args.backend, backend_resolved=resolved, kernel=args.kernel,
       smoke=args.smoke, quick=args.quick, anchors_dir=anchors["dir"], anchors_error=anchors["error"],
       flashinfer=FLASHINFER_NOTE,
       method=("per-call us = median over reps of (t_hi - t_lo)/(n_hi - n_lo): two jitted programs "

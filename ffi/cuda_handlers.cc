@@ -29,15 +29,19 @@ struct KernelAttrs {
   int64_t workspace_parts;          // partitions the workspace holds
 };
 
-// 16 bytes between rows of every cache row array, bases 16-byte aligned,
-// pages laid end to end: what TMA loads need (select_kernel's kv_aligned).
+// Bases and row strides of the cache 16-byte aligned (select_kernel's kv_aligned).
 bool kv_rows_aligned(const PagedDecodeParams& p) {
   const int64_t eb = elem_bytes(p.kv_type);
-  auto ok = [&](const void* base, int64_t token_stride, int64_t page_stride) {
-    return reinterpret_cast<uintptr_t>(base) % 16 == 0 && (token_stride * eb) % 16 == 0 &&
-           page_stride == int64_t{p.page_size} * token_stride;
+  auto ok = [&](const void* base, int64_t token_stride) {
+    return reinterpret_cast<uintptr_t>(base) % 16 == 0 && (token_stride * eb) % 16 == 0;
   };
-  return ok(p.ckv, p.ckv_token_stride, p.ckv_page_stride) && ok(p.kpe, p.kpe_token_stride, p.kpe_page_stride);
+  return ok(p.ckv, p.ckv_token_stride) && ok(p.kpe, p.kpe_token_stride);
+}
+
+// Pages of ckv and kpe laid end to end (select_kernel's kv_pages_contiguous).
+bool kv_pages_contiguous(const PagedDecodeParams& p) {
+  return p.ckv_page_stride == int64_t{p.page_size} * p.ckv_token_stride &&
+         p.kpe_page_stride == int64_t{p.page_size} * p.kpe_token_stride;
 }
 
 // What a call launches with.
@@ -56,12 +60,6 @@ ffi::Error prepare(const char* op, DecodeOp kind, int device_ordinal, const Page
   if (attrs.workspace_parts < 1 || attrs.workspace_parts > (int64_t{1} << 20))
     return invalid_argument(op, "workspace_parts must be in [1, 2^20], got " + std::to_string(attrs.workspace_parts));
 
-  const bool same_device = attrs.selected_for_arch == dev.arch && attrs.selected_for_sm_count == dev.sm_count;
-  KernelConfig want;
-  std::string why;
-  const std::string text(same_device ? attrs.kernel_config : attrs.kernel_request);
-  if (!parse_config(text, &want, &why)) return invalid_argument(op, "kernel configuration attribute: " + why);
-
   DecodeFacts f;
   f.op = kind;
   f.q_type = p.q_type;
@@ -75,11 +73,23 @@ ffi::Error prepare(const char* op, DecodeOp kind, int device_ordinal, const Page
   f.batch = p.batch;
   f.num_pages = p.num_pages;
   f.kv_aligned = kv_rows_aligned(p);
+  f.kv_pages_contiguous = kv_pages_contiguous(p);
   f.arch = dev.arch;
   f.sm_count = dev.sm_count;
   f.build_sm90a = build_has_sm90a();
   f.workspace_parts = static_cast<int>(attrs.workspace_parts);
-  const Selection sel = select_kernel(f, want);
+  // On the device the configuration was chosen for, it only needs
+  // checking; a fact that turns out otherwise than assumed at trace time
+  // (a build without sm_90a code, a cache beyond TMA's range) or another
+  // device means choosing again from the plan's request, with every fact
+  // known now. A forced field that cannot serve the call fails there too.
+  KernelConfig request, chosen;
+  std::string why;
+  if (!parse_config(attrs.kernel_request, &request, &why) || !parse_config(attrs.kernel_config, &chosen, &why))
+    return invalid_argument(op, "kernel configuration attribute: " + why);
+  const bool same_device = attrs.selected_for_arch == dev.arch && attrs.selected_for_sm_count == dev.sm_count;
+  Selection sel = select_kernel(f, same_device ? chosen : request);
+  if (same_device && !sel.error.empty()) sel = select_kernel(f, request);
   if (!sel.error.empty()) return invalid_argument(op, sel.error);
   if (!sel.config.resolved()) return internal_error(op, "the kernel configuration is not resolved on the device");
   launch->config = sel.config;
@@ -104,8 +114,11 @@ ffi::Error prepare(const char* op, DecodeOp kind, int device_ordinal, const Page
   return ffi::Error::Success();
 }
 
-ffi::Error launch_status(const char* op, cudaError_t err) {
+ffi::Error launch_status(const char* op, const Launch& run, cudaError_t err) {
   if (err == cudaSuccess) return ffi::Error::Success();
+  if (err == cudaErrorNotSupported && run.config.kernel == KernelFamily::kSm90Seesaw)
+    return internal_error(op, "the driver could not encode the cache's TMA descriptors that kernel 'sm90_seesaw' "
+                              "loads with; plan kernel='sm90_lockstep' or 'portable' avoids them");
   return internal_error(op, std::string("kernel launch failed: ") + cudaGetErrorString(err));
 }
 
@@ -131,8 +144,9 @@ ffi::Error paged_decode_cuda_impl(cudaStream_t stream, int32_t device_ordinal, f
                 {kernel_config, kernel_request, selected_for_arch, selected_for_sm_count, workspace_parts}, workspace,
                 &run);
   if (err.failure()) return err;
-  return launch_status(kPagedDecodeOp, run_paged_decode(params, run.ws, run.config, run.num_parts,
-                                                        static_cast<int>(max_num_splits), stream));
+  return launch_status(kPagedDecodeOp, run,
+                       run_paged_decode(params, run.ws, run.config, run.num_parts, static_cast<int>(max_num_splits),
+                                        stream));
 }
 
 ffi::Error sparse_decode_cuda_impl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer q_nope,
@@ -153,7 +167,7 @@ ffi::Error sparse_decode_cuda_impl(cudaStream_t stream, int32_t device_ordinal, 
                 {kernel_config, kernel_request, selected_for_arch, selected_for_sm_count, workspace_parts}, workspace,
                 &run);
   if (err.failure()) return err;
-  return launch_status(kSparseDecodeOp, run_sparse_decode(params, run.ws, run.config, run.num_parts, stream));
+  return launch_status(kSparseDecodeOp, run, run_sparse_decode(params, run.ws, run.config, run.num_parts, stream));
 }
 
 }  // namespace

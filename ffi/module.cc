@@ -50,6 +50,7 @@ std::tuple<std::string, std::string, std::string> select_kernel_py(const nb::dic
   f.batch = get<int64_t>(facts, "batch", kUnknownSize);
   f.num_pages = get<int64_t>(facts, "num_pages", kUnknownSize);
   f.kv_aligned = get<bool>(facts, "kv_aligned", true);
+  f.kv_pages_contiguous = get<bool>(facts, "kv_pages_contiguous", true);
   f.arch = get<int>(facts, "arch", 0);
   f.sm_count = get<int>(facts, "sm_count", 0);
   f.build_sm90a = get<bool>(facts, "build_sm90a", false);
@@ -71,8 +72,8 @@ NB_MODULE(_mla_jax_ext, m) {
   m.def("cuda_registrations", []() {
     nb::dict d;
 #ifdef MLA_JAX_WITH_CUDA
-    d["mla_jax_paged_decode_cuda"] = encapsulate(mla_jax::PagedDecodeCuda);
-    d["mla_jax_sparse_decode_cuda"] = encapsulate(mla_jax::SparseDecodeCuda);
+    d["mla_jax_paged_decode_cuda_v2"] = encapsulate(mla_jax::PagedDecodeCuda);
+    d["mla_jax_sparse_decode_cuda_v2"] = encapsulate(mla_jax::SparseDecodeCuda);
 #endif
     return d;
   });

@@ -15,10 +15,13 @@ except ImportError as e:  # pragma: no cover - only when the build is broken
 else:
   _IMPORT_ERROR = None
 
+# The CUDA targets carry a version: their operands and attributes changed
+# (one workspace result, the kernel-choice attributes), so an export made
+# with the earlier ones fails to find its target instead of misreading it.
 CPU_TARGET = "mla_jax_paged_decode_cpu"
-CUDA_TARGET = "mla_jax_paged_decode_cuda"
+CUDA_TARGET = "mla_jax_paged_decode_cuda_v2"
 SPARSE_CPU_TARGET = "mla_jax_sparse_decode_cpu"
-SPARSE_CUDA_TARGET = "mla_jax_sparse_decode_cuda"
+SPARSE_CUDA_TARGET = "mla_jax_sparse_decode_cuda_v2"
 # Custom-call targets a jax.export user must allow (mla_jax.EXPORT_TARGETS):
 #   jax.export.DisabledSafetyCheck.custom_call(name) for each.
 EXPORT_TARGETS = (CPU_TARGET, CUDA_TARGET, SPARSE_CPU_TARGET, SPARSE_CUDA_TARGET)

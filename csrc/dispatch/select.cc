@@ -2,6 +2,7 @@
 
 #include <cstdint>
 #include <string>
+#include <string_view>
 
 namespace mla_jax {
 namespace {
@@ -49,7 +50,7 @@ const char* switch_name(Switch s) {
 }
 
 template <typename E, size_t N>
-bool parse_name(const std::string& field, const char* (&name)(E), const E (&values)[N], E* out) {
+bool parse_name(std::string_view field, const char* (&name)(E), const E (&values)[N], E* out) {
   for (E v : values) {
     if (field == name(v)) {
       *out = v;
@@ -68,16 +69,16 @@ std::string format_config(const KernelConfig& c) {
          "," + switch_name(c.programmatic_combine);
 }
 
-bool parse_config(const std::string& text, KernelConfig* c, std::string* why) {
-  std::string fields[4];
+bool parse_config(std::string_view text, KernelConfig* c, std::string* why) {
+  std::string_view fields[4];
   size_t start = 0;
   for (int i = 0; i < 4; ++i) {
     const size_t comma = text.find(',', start);
-    if ((comma == std::string::npos) != (i == 3)) {
-      *why = "expected 4 comma-separated fields, got '" + text + "'";
+    if ((comma == std::string_view::npos) != (i == 3)) {
+      *why = "expected 4 comma-separated fields, got '" + std::string(text) + "'";
       return false;
     }
-    fields[i] = text.substr(start, i == 3 ? std::string::npos : comma - start);
+    fields[i] = text.substr(start, i == 3 ? std::string_view::npos : comma - start);
     start = comma + 1;
   }
   static constexpr KernelFamily kFamilies[] = {KernelFamily::kAuto, KernelFamily::kPortable,
@@ -94,7 +95,7 @@ bool parse_config(const std::string& text, KernelConfig* c, std::string* why) {
                         ? "programmatic_combine"
                         : nullptr;
   if (bad != nullptr) {
-    *why = std::string("unknown ") + bad + " in '" + text + "'";
+    *why = std::string("unknown ") + bad + " in '" + std::string(text) + "'";
     return false;
   }
   return true;
@@ -123,7 +124,7 @@ Selection select_kernel(const DecodeFacts& f, const KernelConfig& requested, std
   const int64_t requests = f.requests();
   const bool arch_known = f.arch > 0;
   const bool sm90_device = f.arch / 10 == 9;
-  const bool plain16 = f.kv_format == KvFormat::kPlain && f.kv_type == f.q_type;
+  const bool plain16 = f.kv_format == KvFormat::kPlain && f.kv_type == f.q_type && f.kv_pages_contiguous;
   const int64_t slots = f.num_pages < 0 ? kUnknownSize : f.num_pages * f.page_size;
   // TMA boxes copy whole 64-token tiles of one page, with int32 row coordinates.
   const bool tma = f.op == DecodeOp::kPaged && f.page_size % 64 == 0 && f.kv_aligned && plain16 &&
@@ -141,7 +142,9 @@ Selection select_kernel(const DecodeFacts& f, const KernelConfig& requested, std
                          : std::string("this build has no sm_90a code")) + ")");
     } else if (!plain16) {
       c.kernel = KernelFamily::kPortable;
-      note("kernel: portable (FP8 caches, e4m3 with kv_scale or fp8_ds_mla, are dequantised by the portable kernel)");
+      note(f.kv_pages_contiguous
+               ? "kernel: portable (FP8 caches, e4m3 with kv_scale or fp8_ds_mla, are dequantised by the portable kernel)"
+               : "kernel: portable (the cache's pages are not laid end to end)");
     } else if (tma) {
       c.kernel = KernelFamily::kSm90Seesaw;
       note("kernel: sm90_seesaw (sm_90, a paged cache whose page_size is a multiple of 64: TMA loads whole "
@@ -163,7 +166,8 @@ Selection select_kernel(const DecodeFacts& f, const KernelConfig& requested, std
       if (!f.build_sm90a)
         return fail(std::string("kernel '") + family_name(c.kernel) + "' needs a build with sm_90a code (MLA_JAX_CUDA_ARCHS)");
       if (!plain16)
-        return fail(std::string("kernel '") + family_name(c.kernel) + "' serves bf16/fp16 caches in the query dtype only");
+        return fail(std::string("kernel '") + family_name(c.kernel) +
+                    "' serves bf16/fp16 caches in the query dtype, pages laid end to end, only");
       if (c.kernel == KernelFamily::kSm90Seesaw && !tma)
         return fail("kernel 'sm90_seesaw' needs TMA loads: paged decode with page_size a multiple of 64 and "
                     "16-byte aligned cache rows");

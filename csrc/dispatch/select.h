@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <string>
+#include <string_view>
 
 #include "csrc/common/kernel_config.h"
 #include "csrc/common/mla_params.h"
@@ -30,10 +31,13 @@ struct DecodeFacts {
   int num_heads = 1;
   int64_t batch = kUnknownSize;      // B as the op sees it
   int64_t num_pages = kUnknownSize;
-  // ckv/kpe bases and row strides 16-byte aligned, and page stride =
-  // page_size * token stride (every layout the op passes; the handler
-  // checks the actual pointers).
+  // ckv/kpe bases and row strides 16-byte aligned (TMA needs it; the
+  // handler checks the actual pointers).
   bool kv_aligned = true;
+  // Page stride = page_size * token stride for ckv and kpe: the Hopper
+  // kernels address cache row page * page_size + slot with the token stride
+  // alone (true of every layout ffi/decode_args.cc describes).
+  bool kv_pages_contiguous = true;
   int arch = 0;          // compute capability as 10 * major + minor; 0: unknown
   int sm_count = 0;      // 0: unknown
   bool build_sm90a = false;  // this build carries sm_90a code
@@ -59,7 +63,7 @@ Selection select_kernel(const DecodeFacts& facts, const KernelConfig& requested,
 // "sm90_seesaw,inline,slices,off" ("auto" for an open field).
 std::string format_config(const KernelConfig& config);
 // false (and *why set) for a string format_config cannot have written.
-bool parse_config(const std::string& text, KernelConfig* config, std::string* why);
+bool parse_config(std::string_view text, KernelConfig* config, std::string* why);
 
 // Rows of the portable kernel's row block for `rows` query rows per request.
 constexpr int portable_rows_per_cta(int64_t rows) { return rows <= 16 ? 16 : rows <= 32 ? 32 : 64; }

@@ -59,9 +59,12 @@ bool kernel_has_sm90_code(const void* kernel) {
   std::lock_guard<std::mutex> lock(c.mu);
   if (const Entry* e = find(c.ptx, kernel, device)) return e->value >= 90;
   cudaFuncAttributes attrs;
-  const int ptx = cudaFuncGetAttributes(&attrs, kernel) == cudaSuccess ? attrs.ptxVersion : 0;
-  c.ptx.push_back({kernel, device, ptx});
-  return ptx >= 90;
+  if (cudaFuncGetAttributes(&attrs, kernel) != cudaSuccess) {
+    cudaGetLastError();  // not cached: asked again on the next call
+    return false;
+  }
+  c.ptx.push_back({kernel, device, attrs.ptxVersion});
+  return attrs.ptxVersion >= 90;
 }
 
 }  // namespace smxx
