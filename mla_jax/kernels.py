@@ -134,7 +134,6 @@ def workspace_parts(rows: int, device: CudaDevice | None) -> int:
 class Selection:
   """A trace-time kernel selection: the FFI attributes and the workspace."""
   config: KernelChoice         # "auto" where only the device can decide
-  request: KernelChoice
   explanation: tuple[str, ...]
   attrs: dict[str, Any]
   workspace: jax.ShapeDtypeStruct
@@ -175,7 +174,7 @@ def select(call_facts: dict, request: KernelChoice, *, requests, rows: int, dv: 
                selected_for_sm_count=device.sm_count if device is not None else 0,
                workspace_parts=parts)
   workspace = jax.ShapeDtypeStruct((per_request * requests + fixed,), jnp.uint8)
-  return Selection(KernelChoice.from_attr(config), request, lines, attrs, workspace)
+  return Selection(KernelChoice.from_attr(config), lines, attrs, workspace)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,11 +18,12 @@ cudaError_t launch_decode(const PagedDecodeParams& p, const DecodeWorkspace& ws,
   if (seesaw && !tma.enabled) return cudaErrorNotSupported;
   const int rows = p.rows_per_request();
   dim3 grid((rows + Tr::kBlockM - 1) / Tr::kBlockM, schedule.num_parts);
+  // Only the seesaw kernel schedules itself.
   SplitSchedule s = schedule;
   s.inline_schedule = seesaw && schedule.inline_schedule;
+  s.schedule_in_decode = seesaw && schedule.schedule_in_decode;
   // The block schedule keeps each row block's items in its own region.
-  s.schedule_in_decode = seesaw && schedule.schedule_in_decode && ws.item_regions >= static_cast<int>(grid.x);
-  if (seesaw && schedule.schedule_in_decode && !s.schedule_in_decode) return cudaErrorInvalidValue;
+  if (s.schedule_in_decode && ws.item_regions < static_cast<int>(grid.x)) return cudaErrorInvalidValue;
   // The block schedule is its own instantiation of the seesaw kernel, so the
   // other modes run a kernel without its code.
   const void* kernel = !seesaw ? reinterpret_cast<const void*>(decode_kernel<Tr>)
