@@ -522,9 +522,12 @@ def bench_row(i, row, args, ceil, anchors, primary, target, t_start):
   idx = sorted({0, int(np.argmax(seq)), row.b - 1})[:max(1, args.check_requests)]
   data = (qs, caches, bt_d, sl_d, bt, seq, np.asarray(idx))
   counts = (sum_seq, flops, nbytes)
+  # `kernel` is passed only when asked for, so that this script also times trees from before the field
+  # existed (scripts/compare_builds.sh).
+  forced = dict(kernel=args.kernel) if args.kernel != "auto" else {}
   mk = lambda backend: DecodePlan(num_heads=row.h, page_size=PAGE_SIZE, sm_scale=SM_SCALE,
                                   q_len=row.q, causal=row.causal, backend=backend,
-                                  kernel=args.kernel if backend != "xla" else "auto")
+                                  **(forced if backend != "xla" else {}))
 
   # Primary backend (what users get).
   try:

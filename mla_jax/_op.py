@@ -89,7 +89,7 @@ def _varying_like_inputs(outs, args):
                for o in outs)
 
 
-def select_cuda(spec: OpSpec, call: Call, args, device=None) -> kernels.Selection:
+def select_cuda(spec: OpSpec, call: Call, args, device=kernels.VISIBLE) -> kernels.Selection:
   """The trace-time kernel selection of a CUDA call."""
   requests, rows = spec.kernel_shape(call, args[0])
   return kernels.select(spec.facts(call, args), call.plan.kernel, requests=requests, rows=rows,

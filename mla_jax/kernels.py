@@ -148,16 +148,20 @@ def facts(*, op: str, q_dtype, kv_dtype, kv_format: str, kv_lora_rank: int, qk_r
               num_heads=int(num_heads), batch=_static(batch), num_pages=_static(num_pages))
 
 
+VISIBLE = "visible"  # select()'s default device: the CUDA device JAX sees, if any
+
+
 def select(call_facts: dict, request: KernelChoice, *, requests, rows: int, dv: int,
-           device: CudaDevice | None = None, owner: str = "plan") -> Selection:
+           device: CudaDevice | None | str = VISIBLE, owner: str = "plan") -> Selection:
   """Runs the C++ selection on ``call_facts`` (see :func:`facts`).
 
   requests: kernel requests (may be symbolic); rows: query rows per request;
-  dv: output width. device: the CUDA device to select for (default: the
-  visible one, if any). Raises ValueError when ``request`` cannot serve the
-  call.
+  dv: output width. device: the CUDA device to select for; VISIBLE (the
+  default) for the one JAX sees, None for none known (the device-dependent
+  fields are then left to the handler). Raises ValueError when ``request``
+  cannot serve the call.
   """
-  device = visible_cuda_device() if device is None else device
+  device = visible_cuda_device() if device == VISIBLE else device
   ext = _ffi.ext()
   parts = workspace_parts(rows, device)
   f = {k: v for k, v in call_facts.items() if v is not None}

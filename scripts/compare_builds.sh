@@ -3,17 +3,21 @@
 # built with `pip install --target` (no editable install, whose import hook
 # would shadow PYTHONPATH), then benchmarks/bench_paged_decode.py of the
 # second tree runs against each build in turn, A B A B, so that both see the
-# same machine state. Results: $OUT_DIR/{a,b}_{1,2}.json and a summary table.
+# same machine state. Results: $OUT_DIR/{a,b}_<round>.json, summary.json and a
+# table (scripts/compare_summary.py).
 #
 #   bash scripts/compare_builds.sh A_SRC B_SRC OUT_DIR [bench args...]
 #
 # A_SRC, B_SRC: source trees (e.g. `git archive <commit> | tar -x -C DIR`).
 # Bench args go to every run (default: --no-xla). Needs what scripts/gpu_tests.sh
 # needs (jax[cuda], nanobind, scikit-build-core, cmake, ninja; nvidia-cutlass
-# as a wheel in .whl/ when offline).
+# as a wheel in .whl/ when offline). STEPS=build or STEPS=bench runs one half
+# (bench reuses the builds in /tmp/mla_a, /tmp/mla_b); default: both. ROUNDS
+# (default 2) sets how many A B rounds the bench step runs.
 set -euo pipefail
 
-[ $# -ge 3 ] || { sed -n 2,13p "$0"; exit 2; }
+[ $# -ge 3 ] || { sed -n 2,16p "$0"; exit 2; }
+STEPS=${STEPS:-build,bench}
 A_SRC=$(cd "$1" && pwd); B_SRC=$(cd "$2" && pwd); OUT_DIR=$3; shift 3
 BENCH_ARGS=("$@")
 [ ${#BENCH_ARGS[@]} -gt 0 ] || BENCH_ARGS=(--no-xla)
@@ -32,10 +36,27 @@ build() {  # build SRC TARGET
   rm -rf "$2"
   (cd "$1" && $PY -m pip install -q --no-build-isolation --no-deps --target "$2" .) > "$OUT_DIR/build_$(basename "$2").log" 2>&1
 }
-build "$A_SRC" /tmp/mla_a
-build "$B_SRC" /tmp/mla_b
+if [[ $STEPS == *build* ]]; then
+  t0=$SECONDS
+  build "$A_SRC" /tmp/mla_a & pa=$!
+  build "$B_SRC" /tmp/mla_b & pb=$!
+  wait $pa || { echo "build of A failed:"; tail -n 40 "$OUT_DIR/build_mla_a.log"; exit 1; }
+  wait $pb || { echo "build of B failed:"; tail -n 40 "$OUT_DIR/build_mla_b.log"; exit 1; }
+  echo "built A and B in $((SECONDS - t0)) s"
+fi
+[[ $STEPS == *bench* ]] || exit 0
 
-for round in 1 2; do
+# An editable install of mla_jax (scripts/gpu_tests.sh makes one) puts an
+# import hook ahead of PYTHONPATH: both sides would then time that build.
+for side in a b; do
+  (cd /tmp && PYTHONPATH=/tmp/mla_$side${PYTHONPATH:+:$PYTHONPATH} $PY -c "
+import sys, mla_jax
+if not mla_jax.__file__.startswith('/tmp/mla_$side/'):
+  sys.exit(f'side $side imports {mla_jax.__file__}, not the build in /tmp/mla_$side: '
+           'uninstall the installed mla_jax (pip uninstall mla_jax) and run again')")
+done
+
+for round in $(seq "${ROUNDS:-2}"); do
   for side in a b; do
     # From /tmp, so that no source folder named mla_jax is on sys.path.
     (cd /tmp && PYTHONPATH=/tmp/mla_$side${PYTHONPATH:+:$PYTHONPATH} \
@@ -44,23 +65,4 @@ for round in 1 2; do
   done
 done
 
-$PY - "$OUT_DIR" <<'EOF'
-import json, pathlib, statistics, sys
-out = pathlib.Path(sys.argv[1])
-runs = {s: [json.loads((out / f"{s}_{r}.json").read_text()) for r in (1, 2) if (out / f"{s}_{r}.json").exists()]
-        for s in "ab"}
-def us(run, i, key):
-  mla = run["rows"][i].get("mla") or {}
-  return mla.get(key)
-names = [r["name"] for r in runs["a"][0]["rows"]] if runs["a"] else []
-print(f"{'row':<20} {'a us':>9} {'b us':>9} {'b/a':>6}   {'a dev':>9} {'b dev':>9} {'b/a':>6}")
-for i, name in enumerate(names):
-  cells = []
-  for key in ("us", "us_device"):
-    a = [v for v in (us(r, i, key) for r in runs["a"]) if v]
-    b = [v for v in (us(r, i, key) for r in runs["b"]) if v]
-    ma, mb = (statistics.median(a) if a else None), (statistics.median(b) if b else None)
-    cells += [f"{ma:9.1f}" if ma else f"{'-':>9}", f"{mb:9.1f}" if mb else f"{'-':>9}",
-              f"{mb / ma:6.3f}" if ma and mb else f"{'-':>6}"]
-  print(f"{name:<20} " + " ".join(cells[:3]) + "   " + " ".join(cells[3:]))
-EOF
+"$PY" "$ROOT/scripts/compare_summary.py" "$OUT_DIR" --json "$OUT_DIR/summary.json"

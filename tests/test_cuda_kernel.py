@@ -358,7 +358,7 @@ def test_64_row_blocks_bad_inputs(kernel_choice):
   d["seq_lens"][3] = d["block_table"].shape[1] * 64 + 1
   d["seq_lens"][4] = -3
   plan = mla_jax.DecodePlan(num_heads=128, page_size=64, sm_scale=SM_SCALE, backend="cuda",
-                            kernel=kernel_choice(heads))
+                            kernel=kernel_choice(128))
   out, lse, ref_out, ref_lse = _run(d, plan, jnp.bfloat16)
   assert np.isnan(ref_lse[[0, 2, 3, 4]]).all() and np.isfinite(ref_lse[1]).all()
   _check(out, lse, ref_out, ref_lse)

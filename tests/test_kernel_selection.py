@@ -106,7 +106,13 @@ def test_hopper_kernel_on_another_architecture_is_an_error():
     _explain_paged(4, 128, 64, kernel="sm90_seesaw", device=B200)
 
 
-def test_unknown_device_leaves_the_choice_to_the_device():
+@pytest.mark.parametrize("gpu_visible", [False, True])
+def test_unknown_device_leaves_the_choice_to_the_device(monkeypatch, gpu_visible):
+  # A device that is no CUDA device gives no facts, also on a host where JAX
+  # sees a GPU (simulated here, so that CPU hosts check it too): explain must
+  # not fall back to the visible GPU's facts.
+  if gpu_visible:
+    monkeypatch.setattr(mla_jax.kernels, "visible_cuda_device", lambda: H200)
   got = _explain_paged(4, 128, 64, device=jax.devices("cpu")[0])
   assert got.kernel == KernelChoice(), str(got)
   assert any("chosen on the device" in line for line in got.reasons)
