@@ -9,6 +9,7 @@ from ._ffi import EXPORT_TARGETS
 from .checks import check_inputs
 from .fp8_cache import dequantize_latent_fp8, quantize_latent_fp8
 from .kernels import CudaDevice, Explanation, KernelChoice, explain
+from .paged_cache import append_kv, block_table_from_csr, merge_states
 from .paged_decode import paged_decode
 from .plan import DecodePlan, SparseDecodePlan
 from .sparse_decode import sparse_decode
@@ -16,6 +17,6 @@ from .sparse_decode import sparse_decode
 __version__ = "0.1.0"
 __all__ = ["DecodePlan", "paged_decode", "check_inputs", "SparseDecodePlan", "sparse_decode",
            "quantize_latent_fp8", "dequantize_latent_fp8", "KernelChoice", "explain", "Explanation", "CudaDevice",
-           "EXPORT_TARGETS", "__version__"]
+           "EXPORT_TARGETS", "append_kv", "block_table_from_csr", "merge_states", "__version__"]
 
 _ffi.register()
