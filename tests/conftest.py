@@ -23,3 +23,11 @@ def pytest_collection_modifyitems(config, items):
   for item in items:
     if "gpu" in item.keywords and not HAS_GPU:
       item.add_marker(skip)
+
+
+def pytest_addoption(parser):
+  group = parser.getgroup("mla_jax")
+  group.addoption("--differential-cases", type=int, default=None,
+                  help="cases per backend in test_differential.py (default: per backend, see there)")
+  group.addoption("--differential-seed", type=int, default=None,
+                  help="seed of the first case in test_differential.py")
