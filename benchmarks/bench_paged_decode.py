@@ -736,8 +736,8 @@ def main(argv=None):
                  help="anchors dir (or its flashmla_h200.json); default: shared/anchors in or "
                       "beside the repo")
   p.add_argument("--out", default=None,
-                 help="JSON output path (default benchmarks/results/h200.json on an H200, "
-                      "else benchmarks/results/local_<platform>.json; with --smoke "
+                 help="JSON output path (default benchmarks/results/local_<platform>.json, "
+                      "git-ignored; with --smoke "
                       "benchmarks/results/smoke.json)")
   p.add_argument("--commit", default=None, help="git commit to record (default: git rev-parse HEAD)")
   p.add_argument("--reps", type=int, default=0, help="repetitions of the timed op (default 20, quick 8)")
@@ -820,10 +820,9 @@ def main(argv=None):
   print(f"ceilings: copy {ceil['bw_Bps'] / 1e12:.3f} TB/s, matmul {ceil['mm_flops'] / 1e12:.1f} "
         f"TFLOP/s ({time.perf_counter() - t_start:.0f}s)", flush=True)
   if args.out is None:
-    # The committed H200 file is only the default on an H200: a run elsewhere
-    # must not overwrite it (local_*.json is git-ignored).
-    name = "h200.json" if "H200" in str(getattr(dev, "device_kind", "")) else f"local_{platform}.json"
-    args.out = str(REPO / "benchmarks" / "results" / name)
+    # Never the committed results: replacing those takes an explicit --out
+    # (local_*.json is git-ignored).
+    args.out = str(REPO / "benchmarks" / "results" / f"local_{platform}.json")
   out_path = Path(args.out)
   records = []
   for i, row in chosen:

@@ -11,7 +11,11 @@
 # there; otherwise everything goes to the terminal.
 #
 # Environment: MLA_JAX_CUDA_ARCHS (default 90a here: H100/H200), PYTHON
-# (default python3), PYTEST_ARGS (extra pytest arguments).
+# (default python3), PYTEST_ARGS (extra pytest arguments). After a build by
+# this script, the long randomized run on the GPU alone is
+#   python3 -m pytest -q tests/test_differential.py -k "random_cases and cuda" --differential-cases 3000
+# The editable install this script makes shadows --target builds: run
+# scripts/compare_builds.sh before it on the same machine.
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."

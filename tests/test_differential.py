@@ -14,8 +14,9 @@ On the cuda backend each case also draws the kernel (auto, or one forced
 through ``plan.kernel`` where it can serve the call).
 
 Cases per backend: ``--differential-cases N`` (default: 200 for cpu, 30 for
-xla, whose compilation dominates, and 1000 for cuda; a dedicated GPU run
-takes a few thousand); ``--differential-seed S`` moves the whole set. A failure
+xla, whose compilation dominates, and 300 for cuda, so that the GPU suite
+fits one device call; a dedicated GPU run takes a few thousand, see
+scripts/gpu_tests.sh); ``--differential-seed S`` moves the whole set. A failure
 names every failing case's seed and parameters; rerun one with
 ``-k <backend> --differential-seed <seed> --differential-cases 1``.
 """
@@ -34,7 +35,7 @@ from mla_jax.testing import reference_paged_decode, scattered_block_table
 from test_paged_decode import BACKENDS, assert_matches_reference, make_plan, run_decode
 
 DN = 512
-DEFAULT_CASES = {"cpu": 200, "xla": 30, "cuda": 1000}
+DEFAULT_CASES = {"cpu": 200, "xla": 30, "cuda": 300}
 DEFAULT_SEED = 20261202
 # Work per case (B x Q x H x sum(seq_lens)) is capped so that a case stays
 # cheap for the float64 reference and the CPU kernel.
