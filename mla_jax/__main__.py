@@ -73,6 +73,23 @@ def info(out=sys.stdout) -> int:
   return 0
 
 
+def _serve(args) -> int:
+  if args.requests < 1 or args.slots < 1:
+    print("--requests and --slots must be >= 1", file=sys.stderr)
+    return 2
+  from mla_jax import serving
+  r = serving.demo(args.requests, backend=args.backend, max_slots=args.slots)
+  print(f"{r['requests']} requests, {r['generated_tokens']} tokens generated in {r['wall_s']:.1f} s "
+        f"({r['tokens_per_s']:.0f} tokens/s, compilation included)")
+  print(f"{r['decode_steps']} decode steps, median {r['step_ms']:.1f} ms per step (host loop included); "
+        f"prefill {r['prefill_s']:.1f} s")
+  print(f"one step with all {args.slots} slots at {r['probe_seq_len']} tokens: {r['probe_step_ms']:.1f} ms, "
+        f"of which attention (paged_decode alone, every layer) {r['probe_attention_ms']:.1f} ms "
+        f"({100 * r['probe_attention_ms'] / r['probe_step_ms']:.0f} %)")
+  print(f"pages free after the run: {r['free_pages_after']} of {r['pages']}")
+  return 0 if r["free_pages_after"] == r["pages"] else 1
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(prog="python -m mla_jax",
                                    description="Paged MLA decode for JAX.")
@@ -88,11 +105,17 @@ def main(argv=None) -> int:
                     help="head counts to run (default: 128 16)")
   demo.add_argument("--scenario", nargs="+", choices=("single", "batch8", "mix"), default=None,
                     help="run only these batches (default: all)")
+  serve = sub.add_parser("serve", help="a continuous-batching engine (mla_jax.serving) on random requests")
+  serve.add_argument("--backend", default="auto", choices=("auto", "cuda", "cpu", "xla"))
+  serve.add_argument("--requests", type=int, default=24, help="number of requests (default 24)")
+  serve.add_argument("--slots", type=int, default=8, help="decode slots (default 8)")
   args = parser.parse_args(argv)
   if argv is None:  # the command line
     _use_installed_copy(sys.argv[1:])
   if args.command == "info":
     return info()
+  if args.command == "serve":
+    return _serve(args)
   if args.scale is not None and args.scale < 1:
     parser.error("--scale must be >= 1")
   if any(not 1 <= h <= 128 for h in args.heads):
