@@ -79,6 +79,8 @@ def _new_parts(new_kv, lead_rank):
         raise ValueError(f"{name}: expected {want} with last dimension {d}, got shape {tuple(x.shape)}")
     if ckv.shape[:-1] != kpe.shape[:-1]:
       raise ValueError(f"new_kv: ckv {tuple(ckv.shape)} and kpe {tuple(kpe.shape)} differ in their token axes")
+    if ckv.dtype != kpe.dtype:
+      raise TypeError(f"new_kv: ckv dtype {ckv.dtype} and kpe dtype {kpe.dtype} differ")
   else:
     kv = _array("new_kv", new_kv)
     if kv.ndim != lead_rank + 1 or kv.shape[-1] != _D_QK:
@@ -111,8 +113,8 @@ def _encode(ckv, kpe, kind, cache_dtype, kv_scale, scale_format):
     ckv, kpe = (jnp.clip(x.astype(jnp.float32) / scale, -lim, lim).astype(cache_dtype) for x in (ckv, kpe))
   else:
     if kv_scale is not None:
-      raise TypeError(f"kv_scale: only quantising into a float8_e4m3fn cache takes a scale (cache {cache_dtype}, "
-                      f"new_kv {new_dtype})")
+      raise TypeError("kv_scale: new_kv is already in the cache's dtype " + str(cache_dtype) +
+                      "; a scale only applies when quantising a float new_kv into a float8_e4m3fn cache")
     if new_dtype != cache_dtype:
       raise TypeError(f"new_kv: expected the cache's dtype {cache_dtype}, got {new_dtype}")
   if kind == "pair":
@@ -137,9 +139,10 @@ def _slots(positions, owner, block_table, num_pages, page_size):
 def _ragged_owner(cu, tokens: int):
   """The request of each of ``tokens`` packed rows under ``cu_seqlens_q``, or -1.
 
-  Request b is well formed when ``0 <= cu[b] <= cu[b + 1] <= tokens`` and it
-  starts at or after the end of every earlier well-formed request, so the
-  well-formed ranges are disjoint; rows outside all of them get -1.
+  Request b is kept when ``0 <= cu[b] <= cu[b + 1] <= tokens`` and it starts
+  at or after the end of every earlier request whose range is in bounds
+  (kept or not), so the kept ranges are disjoint; rows outside all of them
+  get -1.
   """
   starts, ends = cu[:-1], cu[1:]
   batch = starts.shape[0]
@@ -190,8 +193,8 @@ def append_kv(kv_cache, new_kv, block_table, seq_lens, *, cu_seqlens_q=None, kv_
     scale_format: "pow2" or "arbitrary", only for an ``fp8_ds_mla`` cache.
 
   Returns:
-    The cache with the tokens written, in the structure and dtype it came
-    in.
+    The cache with the tokens written, in its dtype: an array, or a
+    ``(ckv, kpe)`` tuple for a pair.
 
   Writes that cannot land are dropped, and nothing else changes: a position
   below 0 (``seq_lens[b]`` smaller than the request's new-token count) or at
@@ -316,7 +319,9 @@ def merge_states(out_a, lse_a, out_b, lse_b):
     lse = ln(e^lse_a + e^lse_b)
     out = (e^(lse_a - lse) out_a + e^(lse_b - lse) out_b)
 
-  computed in float32 against the larger of the two LSEs. Exact for empty
+  computed in float32 against the larger of the two LSEs. The LSEs are
+  natural logarithms, as mla_jax returns them; base-2 LSEs (FlashInfer's
+  kernels return those) must be multiplied by ln 2 first. Exact for empty
   parts: a part with lse -inf contributes nothing (whatever its out holds),
   and both empty give out 0, lse -inf. A NaN lse (an invalid request) gives
   NaN.

@@ -1,14 +1,16 @@
-"""A small JetStream-style serving engine around mla_jax.paged_decode.
+"""A small JetStream-like serving engine around mla_jax.paged_decode.
 
 A DeepSeek-style decoder with random weights (MLA attention with absorbed
 weights over a paged latent cache, RMS-normed latent, rope with YaRN
 scaling, a gated MLP; no MoE), served with continuous batching:
 
 * :class:`PageAllocator`: host-side free list of cache pages.
-* :class:`Engine`: JetStream's interface, ``init_decode_state``, ``prefill``,
-  ``insert``, ``generate``, plus :meth:`Engine.serve`, a loop that admits
-  requests into free slots between steps, stops them at their length or stop
-  token, and recycles their pages.
+* :class:`Engine`: JetStream's method names, ``init_decode_state``,
+  ``prefill``, ``insert``, ``generate``, plus :meth:`Engine.serve`, a loop
+  that admits requests into free slots between steps, stops them at their
+  length or stop token, and recycles their pages. Unlike JetStream's,
+  ``prefill`` writes straight into the decode state's pages (no separate
+  prefix cache to copy), so prefill cannot run on other devices.
 
 Prefill runs a prompt in chunks: each chunk's latents are written into the
 request's pages (:func:`mla_jax.append_kv`), then its queries attend causally
@@ -51,8 +53,9 @@ class ModelConfig:
   v_head_dim: int = 128
   mlp_hidden: int = 512
   rope_theta: float = 10000.0
-  # YaRN (DeepSeek-V2/V3 "rope_scaling"): positions past original_max_position
-  # are reached by interpolating the low frequencies by `rope_factor`.
+  # YaRN (DeepSeek-V2/V3 "rope_scaling"): the low frequencies are divided by
+  # `rope_factor`, the high ones kept; original_max_position places the ramp
+  # between them (frequencies apply at every position).
   rope_factor: float = 4.0
   original_max_position: int = 1024
   beta_fast: float = 32.0
@@ -207,7 +210,13 @@ class Engine:
 
   def __init__(self, cfg: ModelConfig, params, *, num_pages: int, page_size: int = 64, max_slots: int = 8,
                max_pages_per_seq: int = 16, prefill_chunk: int = 64, backend: str = "auto", dtype=jnp.bfloat16):
-    self.cfg, self.params, self.dtype = cfg, params, dtype
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+      raise TypeError(f"dtype: the decode kernels take bfloat16 or float16, got {jnp.dtype(dtype)}")
+    # The CPU kernel is registered for the CPU platform only: on a host with
+    # a GPU, backend "cpu" keeps the weights and the cache on the CPU device.
+    self.device = jax.devices("cpu")[0] if backend == "cpu" else None
+    self.cfg, self.dtype = cfg, dtype
+    self.params = params if self.device is None else jax.device_put(params, self.device)
     self.page_size, self.max_slots, self.max_pages = page_size, max_slots, max_pages_per_seq
     self.prefill_chunk = prefill_chunk
     self.allocator = PageAllocator(num_pages)
@@ -219,7 +228,10 @@ class Engine:
   # --- JetStream interface ---------------------------------------------------
   def init_decode_state(self) -> DecodeState:
     shape = (self.allocator.num_pages, self.page_size, KV_LORA_RANK + ROPE_DIM)
-    return DecodeState(cache=[jnp.zeros(shape, self.dtype) for _ in range(self.cfg.num_layers)],
+    cache = [jnp.zeros(shape, self.dtype) for _ in range(self.cfg.num_layers)]
+    if self.device is not None:
+      cache = jax.device_put(cache, self.device)
+    return DecodeState(cache=cache,
                        block_table=np.full((self.max_slots, self.max_pages), -1, np.int32),
                        seq_lens=np.zeros((self.max_slots,), np.int32),
                        tokens=np.zeros((self.max_slots,), np.int32), active=np.zeros((self.max_slots,), bool))
@@ -255,12 +267,14 @@ class Engine:
 
   def generate(self, state: DecodeState) -> tuple[DecodeState, np.ndarray, np.ndarray]:
     """One decode step for every active slot: the next tokens [slots] and their margins."""
-    for slot in np.flatnonzero(state.active):   # a page for the token about to be written
-      n = int(state.seq_lens[slot])
-      if n % self.page_size == 0:
-        if n // self.page_size >= self.max_pages:
-          raise RuntimeError(f"slot {slot}: request reached max_pages_per_seq * page_size tokens")
-        state.block_table[slot, n // self.page_size] = self.allocator.alloc(1)[0]
+    # A page for each token about to start one; checked for every slot
+    # before any page is taken, so a failure leaves the state as it was.
+    starting = [int(k) for k in np.flatnonzero(state.active) if state.seq_lens[k] % self.page_size == 0]
+    for slot in starting:
+      if state.seq_lens[slot] // self.page_size >= self.max_pages:
+        raise RuntimeError(f"slot {slot}: request reached max_pages_per_seq * page_size tokens")
+    for slot, page in zip(starting, self.allocator.alloc(len(starting))):
+      state.block_table[slot, state.seq_lens[slot] // self.page_size] = page
     new_lens = np.where(state.active, state.seq_lens + 1, 0).astype(np.int32)
     t0 = time.perf_counter()
     state.cache, (nxt, margin) = self._step(self.params, state.cache, jnp.asarray(state.tokens),
@@ -310,7 +324,8 @@ class Engine:
     state.active[slot] = False
 
   def _pages_for(self, req: Request) -> int:
-    return -(-(len(req.prompt) + req.max_new_tokens) // self.page_size)
+    """Pages a request fills: its prompt and every output token but the last, which is never cached."""
+    return -(-(len(req.prompt) + req.max_new_tokens - 1) // self.page_size)
 
   def serve(self, requests: list[Request]) -> list[Request]:
     """Runs every request to completion with continuous batching (greedy).
@@ -333,16 +348,22 @@ class Engine:
     queue, owner = list(requests), [None] * self.max_slots
     while queue or any(r is not None for r in owner):
       for slot in range(self.max_slots):      # admit into free slots between steps
+        if owner[slot] is not None or not queue:
+          continue
         held = sum(self._pages_for(r) - -(-int(state.seq_lens[k]) // self.page_size)
                    for k, r in enumerate(owner) if r is not None)   # pages running requests will still take
-        if owner[slot] is None and queue and self.allocator.free - held >= self._pages_for(queue[0]):
-          req = queue.pop(0)
-          prefix = self.prefill(state, req.prompt)
-          req.output.append(prefix.first_token)
-          req.margins.append(prefix.margin)
-          owner[slot] = req
-          state = self.insert(prefix, state, slot)
-          self._maybe_finish(state, owner, slot)
+        if self.allocator.free - held < self._pages_for(queue[0]):
+          if not any(r is not None for r in owner):   # nothing will free a page
+            raise RuntimeError(f"the pool has {self.allocator.free} free pages with nothing running, and the "
+                               f"next request needs {self._pages_for(queue[0])}: pages were not released")
+          break                                      # wait for running requests to finish
+        req = queue.pop(0)
+        prefix = self.prefill(state, req.prompt)
+        req.output.append(prefix.first_token)
+        req.margins.append(prefix.margin)
+        owner[slot] = req
+        state = self.insert(prefix, state, slot)
+        self._maybe_finish(state, owner, slot)
       if not any(r is not None for r in owner):
         continue
       state, nxt, margin = self.generate(state)

@@ -13,12 +13,14 @@
 # needs (jax[cuda], nanobind, scikit-build-core, cmake, ninja; nvidia-cutlass
 # as a wheel in .whl/ when offline). STEPS=build or STEPS=bench runs one half
 # (bench reuses the builds in /tmp/mla_a, /tmp/mla_b); default: both. ROUNDS
-# (default 2) sets how many A B rounds the bench step runs.
+# (default 2) sets how many A B rounds the bench step runs; A_LABEL, B_LABEL
+# (e.g. the commits) are recorded in the results.
 set -euo pipefail
 
-[ $# -ge 3 ] || { sed -n 2,16p "$0"; exit 2; }
+[ $# -ge 3 ] || { sed -n 2,17p "$0"; exit 2; }
 STEPS=${STEPS:-build,bench}
-A_SRC=$(cd "$1" && pwd); B_SRC=$(cd "$2" && pwd); OUT_DIR=$3; shift 3
+A_SRC=$(cd "$1" && pwd); B_SRC=$(cd "$2" && pwd); OUT_DIR=$(mkdir -p "$3" && cd "$3" && pwd); shift 3
+A_LABEL=${A_LABEL:-a}; B_LABEL=${B_LABEL:-b}   # recorded as each side's commit
 BENCH_ARGS=("$@")
 [ ${#BENCH_ARGS[@]} -gt 0 ] || BENCH_ARGS=(--no-xla)
 PY=${PYTHON:-python3}
@@ -61,8 +63,10 @@ for round in $(seq "${ROUNDS:-2}"); do
     # From /tmp, so that no source folder named mla_jax is on sys.path.
     (cd /tmp && PYTHONPATH=/tmp/mla_$side${PYTHONPATH:+:$PYTHONPATH} \
       $PY "$B_SRC/benchmarks/bench_paged_decode.py" --out "$OUT_DIR/${side}_$round.json" \
-      --commit "$side" "${BENCH_ARGS[@]}") > "$OUT_DIR/bench_${side}_$round.log" 2>&1 || true
+      --commit "$([ $side = a ] && echo "$A_LABEL" || echo "$B_LABEL")" "${BENCH_ARGS[@]}") \
+      > "$OUT_DIR/bench_${side}_$round.log" 2>&1 || echo "bench $side round $round failed: see bench_${side}_$round.log"
   done
 done
 
-"$PY" "$ROOT/scripts/compare_summary.py" "$OUT_DIR" --json "$OUT_DIR/summary.json"
+"$PY" "$ROOT/scripts/compare_summary.py" "$OUT_DIR" --json "$OUT_DIR/summary.json" \
+  --a-commit "$A_LABEL" --b-commit "$B_LABEL"

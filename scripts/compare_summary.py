@@ -18,9 +18,9 @@ import pathlib
 import statistics
 
 
-def _runs(run_dir: pathlib.Path, side: str) -> list[dict]:
-  files = sorted(run_dir.glob(f"{side}_*.json"), key=lambda f: int(f.stem.split("_")[1]))
-  return [json.loads(f.read_text()) for f in files]
+def _runs(run_dir: pathlib.Path, side: str) -> dict[int, dict]:
+  """Round number -> that round's JSON."""
+  return {int(f.stem.split("_")[1]): json.loads(f.read_text()) for f in run_dir.glob(f"{side}_*.json")}
 
 
 def _pooled(records: list[dict], key: str) -> float | None:
@@ -29,23 +29,28 @@ def _pooled(records: list[dict], key: str) -> float | None:
 
 
 def summarise(run_dir: pathlib.Path) -> list[dict]:
-  a_runs, b_runs = _runs(run_dir, "a"), _runs(run_dir, "b")
-  if not a_runs or not b_runs:
-    raise SystemExit(f"{run_dir}: no a_*.json or b_*.json")
+  a_by_round, b_by_round = _runs(run_dir, "a"), _runs(run_dir, "b")
+  rounds = sorted(set(a_by_round) & set(b_by_round))   # a round counts when both sides have it
+  if not rounds:
+    raise SystemExit(f"{run_dir}: no round with both a_<n>.json and b_<n>.json")
+  a_runs, b_runs = [a_by_round[r] for r in rounds], [b_by_round[r] for r in rounds]
   files = {side: {r.get("mla_jax_file") for r in runs} for side, runs in (("a", a_runs), ("b", b_runs))}
   if files["a"] & files["b"]:
     raise SystemExit(f"{run_dir}: A and B imported the same mla_jax ({sorted(files['a'] & files['b'])}): "
                      "the comparison compares a build with itself")
+  by_name = lambda run: {row["name"]: row for row in run["rows"]}
+  a_rows, b_rows = [by_name(r) for r in a_runs], [by_name(r) for r in b_runs]
   rows = []
-  for i, row in enumerate(a_runs[0]["rows"]):
-    a = [r["rows"][i].get("mla") or {} for r in a_runs]
-    b = [r["rows"][i].get("mla") or {} for r in b_runs]
+  for name, row in a_rows[0].items():
+    a = [(r.get(name) or {}).get("mla") or {} for r in a_rows]
+    b = [(r.get(name) or {}).get("mla") or {} for r in b_rows]
     if not all(x.get("status") == "ok" for x in a + b):
-      rows.append(dict(name=row["name"], status="incomplete",
-                       errors=[x.get("error") or x.get("status") for x in a + b if x.get("status") != "ok"]))
+      rows.append(dict(name=name, status="incomplete",
+                       errors=[x.get("error") or x.get("status") or "missing" for x in a + b
+                               if x.get("status") != "ok"]))
       continue
-    out = dict(name=row["name"], b=row["b"], q_len=row["q_len"], h=row["h"], sk=row["sk"],
-               varlen=row["varlen"], rounds=min(len(a), len(b)), status="ok")
+    out = dict(name=name, b=row["b"], q_len=row["q_len"], h=row["h"], sk=row["sk"],
+               varlen=row["varlen"], rounds=len(rounds), status="ok")
     for label, key in (("wall", "samples_us"), ("device", "samples_us_device")):
       pa, pb = _pooled(a, key), _pooled(b, key)
       out[f"{label}_us_a"], out[f"{label}_us_b"] = pa, pb

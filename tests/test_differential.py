@@ -192,6 +192,8 @@ def test_random_cases_match_reference(backend, request):
     case = draw(base + i)
     try:
       run_case(backend, case)
-    except AssertionError as e:
-      failures.append(f"seed {case.seed}: {str(e).splitlines()[0]}\n    {case.describe()}")
-  assert not failures, f"{len(failures)} of {n} cases failed:\n" + "\n".join(failures[:20])
+    except Exception as e:  # noqa: BLE001 - every failing seed is reported, whatever failed
+      first = (str(e).splitlines() or [""])[0]
+      failures.append((case.seed, f"seed {case.seed}: {type(e).__name__}: {first}\n    {case.describe()}"))
+  assert not failures, (f"{len(failures)} of {n} cases failed, seeds {[f[0] for f in failures]}:\n"
+                        + "\n".join(f[1] for f in failures[:20]))

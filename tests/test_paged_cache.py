@@ -166,8 +166,10 @@ def test_append_under_jit_with_donation_and_scan():
   for i in range(steps):
     want = _append_np(want, np.asarray(news[i].astype(jnp.float32)), bt, np.asarray(base) + i + 1)
   np.testing.assert_array_equal(np.asarray(run(c0, news).astype(jnp.float32)), want)
-  donated = jax.jit(mla_jax.append_kv, donate_argnums=0)(jnp.asarray(cache, jnp.bfloat16), news[0], bt, lens)
-  assert donated.shape == cache.shape
+  given = jnp.asarray(cache, jnp.bfloat16)
+  donated = jax.jit(mla_jax.append_kv, donate_argnums=0)(given, news[0], bt, lens)
+  want = _append_np(np.asarray(c0.astype(jnp.float32)), np.asarray(news[0].astype(jnp.float32)), bt, lens)
+  np.testing.assert_array_equal(np.asarray(donated.astype(jnp.float32)), want)
 
 
 def test_append_then_decode_equals_reference():
@@ -200,6 +202,10 @@ def test_append_then_decode_equals_reference():
      ValueError, "cu_seqlens_q: expected \\[6\\]"),
     (lambda c, n, bt, sl: mla_jax.append_kv(c, n, bt, sl, cu_seqlens_q=np.zeros(6, np.int32)),
      ValueError, "with cu_seqlens_q"),
+    (lambda c, n, bt, sl: mla_jax.append_kv(c, (n[..., :512], n[..., 512:].astype(jnp.float16)), bt, sl),
+     TypeError, "ckv dtype bfloat16 and kpe dtype float16 differ"),
+    (lambda c, n, bt, sl: mla_jax.append_kv(c.astype(jnp.float8_e4m3fn), n.astype(jnp.float8_e4m3fn), bt, sl,
+                                            kv_scale=1.0), TypeError, "already in the cache's dtype"),
 ])
 def test_append_trace_time_errors(call, exc, match):
   rng = np.random.default_rng(1)
