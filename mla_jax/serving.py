@@ -25,7 +25,6 @@ Run ``python -m mla_jax serve`` for a demo.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import time
 from typing import Any, NamedTuple
