@@ -1,7 +1,6 @@
 """append_kv, block_table_from_csr and merge_states against NumPy loops, and
 with paged_decode. Pure JAX: runs on every backend."""
 
-
 import jax
 import jax.numpy as jnp
 import ml_dtypes
