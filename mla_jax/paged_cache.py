@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from . import fp8_cache
+from ._inputs import _as_array
 
 _D_NOPE = fp8_cache.KV_LORA_RANK      # 512
 _D_ROPE = fp8_cache.ROPE_DIM          # 64
@@ -22,9 +23,7 @@ _CACHE_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.
 
 
 def _array(name, x):
-  if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-    raise TypeError(f"{name}: expected a jax or numpy array, got {type(x).__name__}")
-  return jnp.asarray(x)
+  return jnp.asarray(_as_array(name, x))
 
 
 def _int32(name, x, rank):
@@ -319,7 +318,8 @@ def merge_states(out_a, lse_a, out_b, lse_b):
     lse = ln(e^lse_a + e^lse_b)
     out = (e^(lse_a - lse) out_a + e^(lse_b - lse) out_b)
 
-  computed in float32 against the larger of the two LSEs. The LSEs are
+  computed in float32 against the larger of the two LSEs (the split-KV
+  combine of FlashDecoding, Dao et al. 2023). The LSEs are
   natural logarithms, as mla_jax returns them; base-2 LSEs (FlashInfer's
   kernels return those) must be multiplied by ln 2 first. Exact for empty
   parts: a part with lse -inf contributes nothing (whatever its out holds),

@@ -74,7 +74,14 @@ def _yarn_mscale(factor: float, m: float) -> float:
 
 
 def rope_tables(cfg: ModelConfig, positions):
-  """(cos, sin) ``[..., 32]`` at ``positions`` with YaRN-scaled frequencies."""
+  """(cos, sin) float32 ``[..., 32]`` at ``positions`` with YaRN-scaled frequencies.
+
+  YaRN (Peng et al. 2023, arXiv:2309.00071) as DeepSeek-V2 configures it:
+  pairs turning more than ``beta_fast`` times over the original context keep
+  their frequency, those turning fewer than ``beta_slow`` times are divided
+  by ``rope_factor``, a linear ramp blends between; both tables carry the
+  attention factor mscale(factor, mscale) / mscale(factor, mscale_all_dim).
+  """
   half = ROPE_DIM // 2
   i = np.arange(half, dtype=np.float64)
   extrap = cfg.rope_theta ** (-2.0 * i / ROPE_DIM)
