@@ -30,6 +30,10 @@ class Call:
   plan: Any
   q_axis_added: bool     # the caller's query had no Q axis (see operand_layouts)
   has_sink: bool = False  # sparse decode: attn_sink was given
+  # Mesh axis (name or tuple of names) over which the cache's page axis is
+  # split, device r holding global pages [r*P, (r+1)*P) (mla_jax/_context.py);
+  # None: the cache is whole on every device.
+  context_axis: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +51,8 @@ class OpSpec:
   xla: Callable             # (Call, *operands) -> (out, lse): the pure-JAX formulation
   cuda_serves: Callable     # Call -> whether the CUDA kernels can serve it (else "auto" uses xla)
   dv: Callable              # Call -> output width
+  cache_operands: tuple     # operand indices with a leading page axis (context parallelism)
+  context: Callable         # (op_local, Call, *operands) -> (out, lse): one device's share, merged
 
 
 def _out_types(q_nope, dv):
@@ -113,6 +119,8 @@ def _cpu_call(spec: OpSpec, call: Call, *args):
 
 def _local(spec: OpSpec, call: Call, *args):
   """One device's call on local (possibly sharded) operands."""
+  if call.context_axis is not None:
+    return spec.context(functools.partial(_local, spec), call, *args)
   backend = call.plan.backend
   if backend == "xla":
     return spec.xla(call, *args)
@@ -140,14 +148,17 @@ def _local(spec: OpSpec, call: Call, *args):
 @functools.cache
 def build(spec: OpSpec, call: Call):
   """The op for one spec and static call: fn(*operands) -> (out, lse)."""
-  bind = lambda c: functools.partial(_local, spec, c)
+  bind = lambda c, context_axis=None: functools.partial(
+      _local, spec, c if context_axis is None else dataclasses.replace(c, context_axis=context_axis))
   shardings = spec.shardings
-  partitioned = _sharding.partitioned_op(bind, shardings, spec.sharding_rule, num_static=1)
+  cache = spec.cache_operands[0]
+  partitioned = _sharding.partitioned_op(bind, shardings, spec.sharding_rule, cache_operand=cache)
 
   @jax.custom_batching.custom_vmap
   def op(*args):
-    return _sharding.dispatch(args, local=bind(call), partitioned=functools.partial(partitioned, call),
-                              shardings=shardings)
+    return _sharding.dispatch(args, local=functools.partial(bind, call),
+                              partitioned=functools.partial(partitioned, call), shardings=shardings,
+                              cache_operand=cache)
 
   op.def_vmap(fold_into_batch(op, spec.per_request))
   return inference_only(op, spec.name)

@@ -8,7 +8,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from . import _ffi, _op, kernels
+from . import _context, _ffi, _op, _sharding, kernels
 from ._inputs import DecodeInputs, normalize
 from .plan import DecodePlan
 from .xla_reference import paged_decode_xla
@@ -17,14 +17,15 @@ from .xla_reference import paged_decode_xla
 # seq_lens, kv_scale); results (out, lse).
 
 
-def _shardings(mesh, batch_axis, head_axis):
+def _shardings(mesh, batch_axis, head_axis, page_axis=None):
   # Batch (B) and heads (H) of the query may be sharded; every request's
   # rows are independent, so each device runs the kernel on its own slice
-  # with no communication. The cache, the page axis of the block table and
-  # the feature dims stay whole (replicated when sharded).
+  # with no communication. The cache's pages may be split over other axes
+  # (context parallelism: mla_jax/_context.py). The page axis of the block
+  # table and the feature dims stay whole (replicated when sharded).
   ns = lambda *spec: NamedSharding(mesh, PartitionSpec(*spec))
   args = (ns(batch_axis, None, head_axis, None), ns(batch_axis, None, head_axis, None),
-          ns(), ns(), ns(batch_axis, None), ns(batch_axis), ns())
+          ns(page_axis), ns(page_axis), ns(batch_axis, None), ns(batch_axis), ns())
   outs = (ns(batch_axis, None, head_axis, None), ns(batch_axis, None, head_axis))
   return args, outs
 
@@ -63,6 +64,8 @@ SPEC = _op.OpSpec(
     xla=_xla,
     cuda_serves=lambda c: (c.plan.kv_lora_rank, c.plan.qk_rope_head_dim) == (512, 64),
     dv=lambda c: c.plan.kv_lora_rank,
+    cache_operands=(2, 3),  # ckv, kpe
+    context=_context.paged_decode_local,
 )
 
 
@@ -86,9 +89,9 @@ def _operands(inputs: DecodeInputs):
           inputs.kv_scale)
 
 
-@functools.partial(jax.jit, static_argnames=("plan", "return_lse"))
+@functools.partial(jax.jit, static_argnames=("plan", "return_lse", "context_axis"))
 def paged_decode(query, kv_cache, block_table, seq_lens, *, plan: DecodePlan,
-                 return_lse: bool = False, kv_scale=None):
+                 return_lse: bool = False, kv_scale=None, context_axis=None):
   """Paged Multi-head Latent Attention decode (absorbed weights).
 
   Math (DeepSeek-V2, "Multi-head Latent Attention", arXiv:2405.04434, with the
@@ -119,6 +122,13 @@ def paged_decode(query, kv_cache, block_table, seq_lens, *, plan: DecodePlan,
     return_lse: also return the log-sum-exp.
     kv_scale: float32 scalar dequantisation scale of an FP8 cache; scores use
       ``sm_scale * kv_scale`` and the output is multiplied by ``kv_scale``.
+    context_axis: only inside ``jax.shard_map``: a mesh axis name (or tuple)
+      over which the cache's pages are split, device r of it holding global
+      pages ``[r * num_pages, (r + 1) * num_pages)`` (num_pages: the local
+      cache's). ``block_table`` then holds global page ids, each device
+      attends its own pages, and the result, merged over the axis, is the
+      same on every device of it. Under ``jax.jit`` a cache sharded on its
+      page axis is decoded this way without this argument.
 
   Returns:
     ``out [B, (Q,) H, 512]`` in the query dtype, and with ``return_lse`` also
@@ -143,5 +153,7 @@ def paged_decode(query, kv_cache, block_table, seq_lens, *, plan: DecodePlan,
       registered for that platform).
   """
   inputs = normalize(query, kv_cache, block_table, seq_lens, plan, kv_scale)
-  call = _op.Call(plan, not inputs.query_had_q_axis)
+  if context_axis is not None:
+    _sharding.require_manual(context_axis, "paged_decode")
+  call = _op.Call(plan, not inputs.query_had_q_axis, context_axis=context_axis)
   return _op.run(SPEC, call, _operands(inputs), inputs.query_had_q_axis, return_lse)

@@ -8,7 +8,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from . import _ffi, _op, kernels
+from . import _context, _ffi, _op, _sharding, kernels
 from ._inputs import SparseInputs, normalize_sparse
 from .plan import SparseDecodePlan
 from .sparse_reference import sparse_decode_xla
@@ -17,15 +17,16 @@ from .sparse_reference import sparse_decode_xla
 # attn_sink, kv_scale); results (out [B, Q, H, 512], lse [B, Q, H]).
 
 
-def _shardings(mesh, batch_axis, head_axis):
+def _shardings(mesh, batch_axis, head_axis, page_axis=None):
   # Batch (B: query, indices, topk_lens) and heads (H: query, attn_sink) may
   # be sharded; every query token's rows are independent, so each device
-  # runs the kernel on its own slice with no communication. The cache, the
-  # top-k axis of the indices and feature dims stay whole (replicated when
-  # sharded).
+  # runs the kernel on its own slice with no communication. The cache's
+  # pages may be split over other axes (context parallelism:
+  # mla_jax/_context.py). The top-k axis of the indices and feature dims
+  # stay whole (replicated when sharded).
   ns = lambda *spec: NamedSharding(mesh, PartitionSpec(*spec))
   query = ns(batch_axis, None, head_axis, None)
-  args = (query, query, ns(), ns(batch_axis, None, None), ns(batch_axis), ns(head_axis), ns())
+  args = (query, query, ns(page_axis), ns(batch_axis, None, None), ns(batch_axis), ns(head_axis), ns())
   outs = (query, ns(batch_axis, None, head_axis))
   return args, outs
 
@@ -65,6 +66,8 @@ SPEC = _op.OpSpec(
     xla=_xla,
     cuda_serves=lambda c: True,  # the sparse plan fixes the widths at 512 + 64
     dv=lambda c: c.plan.kv_lora_rank,
+    cache_operands=(2,),  # kv
+    context=_context.sparse_decode_local,
 )
 
 
@@ -84,9 +87,9 @@ def explain_call(plan: SparseDecodePlan, query, kv_cache, indices, *, topk_lens=
   return found[0]
 
 
-@functools.partial(jax.jit, static_argnames=("plan", "return_lse"))
+@functools.partial(jax.jit, static_argnames=("plan", "return_lse", "context_axis"))
 def sparse_decode(query, kv_cache, indices, *, plan: SparseDecodePlan, topk_lens=None,
-                  attn_sink=None, return_lse: bool = False):
+                  attn_sink=None, return_lse: bool = False, context_axis=None):
   """Sparse top-k Multi-head Latent Attention decode (DeepSeek V3.2 DSA).
 
   Math (DeepSeek-V2 MLA with absorbed weights, arXiv:2405.04434, attending
@@ -121,6 +124,12 @@ def sparse_decode(query, kv_cache, indices, *, plan: SparseDecodePlan, topk_lens
     attn_sink: optional float32 ``[H]`` per-head sink logit (natural-log
       units, same scale as lse).
     return_lse: also return the log-sum-exp.
+    context_axis: only inside ``jax.shard_map``: a mesh axis name (or tuple)
+      over which the cache's pages are split, device r of it holding global
+      slots ``[r * S, (r + 1) * S)`` (S: the local cache's slots);
+      ``indices`` hold global slots and the result, merged over the axis, is
+      the same on every device of it. Under ``jax.jit`` a cache sharded on
+      its page axis is decoded this way without this argument.
 
   Returns:
     ``out [B, (Q,) H, 512]`` in the query dtype, and with ``return_lse`` also
@@ -138,5 +147,7 @@ def sparse_decode(query, kv_cache, indices, *, plan: SparseDecodePlan, topk_lens
       registered for that platform).
   """
   inputs = normalize_sparse(query, kv_cache, indices, topk_lens, attn_sink, plan)
-  call = _op.Call(plan, not inputs.query_had_q_axis, inputs.has_sink)
+  if context_axis is not None:
+    _sharding.require_manual(context_axis, "sparse_decode")
+  call = _op.Call(plan, not inputs.query_had_q_axis, inputs.has_sink, context_axis=context_axis)
   return _op.run(SPEC, call, inputs.operands, inputs.query_had_q_axis, return_lse)

@@ -154,8 +154,9 @@ def test_hlo_check_sees_collectives_without_the_rule(data):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_sharded_cache_is_gathered(data, unsharded, backend):
-  """Limit: the cache is replicated by the rule. A page-sharded cache still
-  gives the right result, but XLA all-gathers it first."""
+  """Limit: a cache split on its pages over the axis that also splits the
+  heads cannot be decoded in place (tests/test_context_parallel.py covers
+  other axes): it still gives the right result, but XLA all-gathers it."""
   mesh = _mesh(AxisType.Auto)
   args = _place(data, mesh, LAYOUTS["both"], cache_spec=P("model"))
   f = _decode(_plan(backend))
