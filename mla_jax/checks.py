@@ -19,7 +19,8 @@ def _canonical(x):
   return jnp.asarray(x) if isinstance(x, (np.ndarray, np.generic, int, float)) else x
 
 
-def check_inputs(query, kv_cache, block_table, seq_lens, *, plan: DecodePlan, kv_scale=None):
+def check_inputs(query, kv_cache, block_table, seq_lens, *, plan: DecodePlan, kv_scale=None,
+                 cu_seqlens_q=None):
   """Checks the data the kernels cannot validate at trace time.
 
   The kernels never read out of bounds: a bad request only turns its own
@@ -33,7 +34,9 @@ def check_inputs(query, kv_cache, block_table, seq_lens, *, plan: DecodePlan, kv
     A ``checkify.Error``: ``err.get()`` is None when every request is valid,
     else a message naming the first bad request (lowest index) and the reason
     (negative length, length above ``max_pages_per_seq * page_size``, or a
-    live page id outside ``[0, num_pages)``, the first such entry);
+    live page id outside ``[0, num_pages)``, the first such entry; with
+    ``cu_seqlens_q``, first a range outside the packed rows, decreasing or
+    overlapping an earlier one, or more than ``plan.q_len`` tokens);
     ``err.throw()`` raises it.
 
   Raises:
@@ -41,7 +44,15 @@ def check_inputs(query, kv_cache, block_table, seq_lens, *, plan: DecodePlan, kv
   """
   block_table, seq_lens = _canonical(block_table), _canonical(seq_lens)
   kv_scale = None if kv_scale is None else _canonical(kv_scale)
-  inputs = normalize(query, kv_cache, block_table, seq_lens, plan, kv_scale)
+  if cu_seqlens_q is not None:
+    from .paged_decode import ragged_inputs  # pylint: disable=g-import-not-at-top  (imports this module's deps)
+    inputs, cu, tokens = ragged_inputs(query, kv_cache, block_table, seq_lens, _canonical(cu_seqlens_q), plan,
+                                       kv_scale)
+    err, _ = jax.jit(checkify.checkify(lambda cu: _check_ragged(cu, tokens, plan.q_len)))(cu)
+    if err.get() is not None:
+      return err
+  else:
+    inputs = normalize(query, kv_cache, block_table, seq_lens, plan, kv_scale)
   num_pages = inputs.ckv.shape[0]
 
   def checks(block_table, seq_lens):
@@ -70,3 +81,26 @@ def check_inputs(query, kv_cache, block_table, seq_lens, *, plan: DecodePlan, kv
 
   err, _ = jax.jit(checkify.checkify(checks))(inputs.block_table, inputs.seq_lens)
   return err
+
+
+def _check_ragged(cu, tokens: int, q_len: int):
+  """The first request of cu_seqlens_q that paged_decode drops or turns into NaN."""
+  from ._ragged import ragged_requests  # pylint: disable=g-import-not-at-top
+  batch = cu.shape[0] - 1
+  if batch == 0:
+    return
+  _, kept = ragged_requests(cu, tokens)
+  starts, ends = cu[:-1], cu[1:]
+  in_range = (starts >= 0) & (starts <= ends) & (ends <= tokens)
+  too_long = kept & (ends - starts > q_len)
+  bad = ~kept | too_long
+  b = jnp.argmax(bad)
+  s, e = starts[b], ends[b]
+  checkify.check(~(bad[b] & ~in_range[b]),
+                 "request {b}: cu_seqlens_q[{b}:{b}+2] = ({s}, {e}) is not a range 0 <= start <= end <= T = {t}",
+                 b=b, s=s, e=e, t=jnp.int32(tokens))
+  checkify.check(~(bad[b] & in_range[b] & ~kept[b]),
+                 "request {b}: cu_seqlens_q[{b}:{b}+2] = ({s}, {e}) overlaps an earlier request's rows", b=b, s=s, e=e)
+  checkify.check(~(bad[b] & too_long[b]),
+                 "request {b}: cu_seqlens_q gives it {n} query tokens, more than plan.q_len = {q}",
+                 b=b, n=e - s, q=jnp.int32(q_len))

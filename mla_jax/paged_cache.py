@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 from . import fp8_cache
 from ._inputs import _as_array
+from ._ragged import ragged_requests
 
 _D_NOPE = fp8_cache.KV_LORA_RANK      # 512
 _D_ROPE = fp8_cache.ROPE_DIM          # 64
@@ -135,30 +136,6 @@ def _slots(positions, owner, block_table, num_pages, page_size):
   return jnp.where(ok, flat, num_pages * page_size)
 
 
-def _ragged_owner(cu, tokens: int):
-  """The request of each of ``tokens`` packed rows under ``cu_seqlens_q``, or -1.
-
-  Request b is kept when ``0 <= cu[b] <= cu[b + 1] <= tokens`` and it starts
-  at or after the end of every earlier request whose range is in bounds
-  (kept or not), so the kept ranges are disjoint; rows outside all of them
-  get -1.
-  """
-  starts, ends = cu[:-1], cu[1:]
-  batch = starts.shape[0]
-  range_ok = (starts >= 0) & (starts <= ends) & (ends <= tokens)
-  prev_end = jnp.concatenate([jnp.zeros((1,), jnp.int32),
-                              jax.lax.cummax(jnp.where(range_ok, ends, 0))[:-1]])
-  ok = range_ok & (starts >= prev_end)
-  # +(b + 1) at each start, -(b + 1) at each end: the running sum is b + 1
-  # inside request b's range and 0 elsewhere (ranges disjoint).
-  tag = jnp.arange(1, batch + 1, dtype=jnp.int32)
-  drop = tokens + 1
-  marks = (jnp.zeros((tokens + 1,), jnp.int32)
-           .at[jnp.where(ok, starts, drop)].add(tag, mode="drop")
-           .at[jnp.where(ok, ends, drop)].add(-tag, mode="drop"))
-  return jnp.cumsum(marks)[:tokens] - 1
-
-
 @functools.partial(jax.jit, static_argnames=("scale_format",))
 def append_kv(kv_cache, new_kv, block_table, seq_lens, *, cu_seqlens_q=None, kv_scale=None,
               scale_format: str = "pow2"):
@@ -234,7 +211,7 @@ def append_kv(kv_cache, new_kv, block_table, seq_lens, *, cu_seqlens_q=None, kv_
     if cu.shape[0] != batch + 1:
       raise ValueError(f"cu_seqlens_q: expected [{batch + 1}] (block_table's batch + 1), got shape {tuple(cu.shape)}")
     tokens = ckv.shape[0]
-    owner = _ragged_owner(cu, tokens)
+    owner, _ = ragged_requests(cu, tokens)   # the same rule as paged_decode's ragged form
     starts, ends = cu[:-1], cu[1:]
     o = jnp.clip(owner, 0, batch - 1)
     t = jnp.arange(tokens, dtype=jnp.int32)

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from . import _context, _ffi, _op, _sharding, kernels
-from ._inputs import DecodeInputs, normalize
+from . import _context, _ffi, _op, _ragged, _sharding, kernels
+from ._inputs import DecodeInputs, _as_array, normalize, normalize_query
 from .plan import DecodePlan
 from .xla_reference import paged_decode_xla
 
@@ -70,17 +72,38 @@ SPEC = _op.OpSpec(
 
 
 def explain_call(plan: DecodePlan, query, kv_cache, block_table, seq_lens, *, kv_scale=None, device=None,
-                 return_lse: bool = False):
+                 return_lse: bool = False, cu_seqlens_q=None, context_axis=None):
   """mla_jax.explain for paged_decode's arguments."""
-  del return_lse  # the kernels always compute the LSE
+  del return_lse, context_axis  # the kernels always compute the LSE; the local call is explained
   found = []
 
-  def trace(query, kv_cache, block_table, seq_lens, kv_scale):  # shapes only: nothing runs
-    inputs = normalize(query, kv_cache, block_table, seq_lens, plan, kv_scale)
-    found.append(_op.explain(SPEC, _op.Call(plan, not inputs.query_had_q_axis), _operands(inputs), device))
+  def trace(query, kv_cache, block_table, seq_lens, kv_scale, cu_seqlens_q):  # shapes only: nothing runs
+    if cu_seqlens_q is None:
+      inputs = normalize(query, kv_cache, block_table, seq_lens, plan, kv_scale)
+      found.append(_op.explain(SPEC, _op.Call(plan, not inputs.query_had_q_axis), _operands(inputs), device))
+      return 0
+    inputs, _, tokens = ragged_inputs(query, kv_cache, block_table, seq_lens, cu_seqlens_q, plan, kv_scale)
+    b, t = inputs.block_table.shape
+    if _ragged.layout(plan) == "per_token":
+      p, rows, how = dataclasses.replace(plan, q_len=1), tokens, (
+          f"ragged query: each of its {tokens} tokens is a q_len-1 request ({plan.num_heads} heads >= "
+          f"{_ragged.PER_TOKEN_MIN_HEADS}: a token fills its own row tiles)")
+    else:
+      p, rows, how = plan, b, (
+          f"ragged query: left-padded to [{b}, q_len {plan.q_len}] requests "
+          + ("(the xla backend gathers per request)" if plan.backend == "xla" else
+             f"({plan.num_heads} heads < {_ragged.PER_TOKEN_MIN_HEADS}: tokens share a request's row tiles)"))
+    q_len = p.q_len
+    mapped = DecodeInputs(
+        jax.ShapeDtypeStruct((rows, q_len) + inputs.q_nope.shape[1:], inputs.q_nope.dtype),
+        jax.ShapeDtypeStruct((rows, q_len) + inputs.q_pe.shape[1:], inputs.q_pe.dtype),
+        inputs.ckv, inputs.kpe, jax.ShapeDtypeStruct((rows, t), jnp.int32),
+        jax.ShapeDtypeStruct((rows,), jnp.int32), inputs.kv_scale, True)
+    e = _op.explain(SPEC, _op.Call(p, False), _operands(mapped), device)
+    found.append(dataclasses.replace(e, reasons=(how,) + e.reasons))
     return 0
 
-  jax.eval_shape(trace, query, kv_cache, block_table, seq_lens, kv_scale)
+  jax.eval_shape(trace, query, kv_cache, block_table, seq_lens, kv_scale, cu_seqlens_q)
   return found[0]
 
 
@@ -89,9 +112,58 @@ def _operands(inputs: DecodeInputs):
           inputs.kv_scale)
 
 
+def _ragged_query(query, plan: DecodePlan):
+  """(q_nope, q_pe) [T, H, *] of a packed ragged query (the same array twice
+  when packed), checked like a q_len-1 query."""
+  for name, x in (zip(("q_nope", "q_pe"), query) if isinstance(query, (tuple, list)) else (("query", query),)):
+    if len(np.shape(x)) != 3:
+      raise ValueError(f"{name}: with cu_seqlens_q, expected a packed [T, H, D] query, got shape {np.shape(x)}")
+  q_nope, q_pe, _ = normalize_query(query, dataclasses.replace(plan, q_len=1))
+  qn = q_nope[:, 0]
+  return (qn, qn) if q_pe is q_nope else (qn, q_pe[:, 0])
+
+
+def _check_cu_seqlens(cu_seqlens_q, block_table):
+  cu = _as_array("cu_seqlens_q", cu_seqlens_q)
+  if jnp.dtype(cu.dtype) != jnp.dtype(jnp.int32):
+    raise TypeError(f"cu_seqlens_q: expected dtype int32, got {jnp.dtype(cu.dtype)}")
+  b = np.shape(block_table)[0] if len(np.shape(block_table)) == 2 else None
+  if len(np.shape(cu)) != 1 or (b is not None and np.shape(cu)[0] != b + 1):
+    raise ValueError(f"cu_seqlens_q: expected shape ({b} + 1,) (block_table's batch + 1), got {np.shape(cu)}")
+  return cu
+
+
+def ragged_inputs(query, kv_cache, block_table, seq_lens, cu_seqlens_q, plan, kv_scale):
+  """Checks a call with cu_seqlens_q; returns (DecodeInputs of the cache,
+  table and lengths with the [T, H, *] query, cu_seqlens_q, T)."""
+  q_nope, q_pe = _ragged_query(query, plan)
+  cu = _check_cu_seqlens(cu_seqlens_q, block_table)
+  # The cache, table and lengths checked as for a uniform call of the
+  # table's batch (a shape-only stand-in for the query).
+  b = np.shape(block_table)[0] if len(np.shape(block_table)) else 0
+  stand_in = jax.ShapeDtypeStruct((b, 1) + tuple(q_nope.shape[1:]), q_nope.dtype)
+  if q_pe is not q_nope:
+    stand_in = (stand_in, jax.ShapeDtypeStruct((b, 1) + tuple(q_pe.shape[1:]), q_pe.dtype))
+  inputs = normalize(stand_in, kv_cache, block_table, seq_lens, dataclasses.replace(plan, q_len=1), kv_scale)
+  return dataclasses.replace(inputs, q_nope=q_nope, q_pe=q_pe), cu, q_nope.shape[0]
+
+
+def _ragged_call(query, kv_cache, block_table, seq_lens, cu_seqlens_q, plan, kv_scale, context_axis):
+  """(out [T, H, dv], lse [T, H]) of a call with cu_seqlens_q."""
+  inputs, cu, _ = ragged_inputs(query, kv_cache, block_table, seq_lens, cu_seqlens_q, plan, kv_scale)
+
+  def run_uniform(p, q, bt, sl):
+    ins = normalize(q, kv_cache, bt, sl, p, kv_scale)
+    call = _op.Call(p, not ins.query_had_q_axis, context_axis=context_axis)
+    return _op.run(SPEC, call, _operands(ins), ins.query_had_q_axis, return_lse=True)
+
+  return _ragged.ragged_paged_decode(run_uniform, plan, inputs.q_nope, inputs.q_pe, inputs.block_table,
+                                     inputs.seq_lens, cu, inputs.ckv.shape[0])
+
+
 @functools.partial(jax.jit, static_argnames=("plan", "return_lse", "context_axis"))
 def paged_decode(query, kv_cache, block_table, seq_lens, *, plan: DecodePlan,
-                 return_lse: bool = False, kv_scale=None, context_axis=None):
+                 return_lse: bool = False, kv_scale=None, context_axis=None, cu_seqlens_q=None):
   """Paged Multi-head Latent Attention decode (absorbed weights).
 
   Math (DeepSeek-V2, "Multi-head Latent Attention", arXiv:2405.04434, with the
@@ -122,6 +194,17 @@ def paged_decode(query, kv_cache, block_table, seq_lens, *, plan: DecodePlan,
     return_lse: also return the log-sum-exp.
     kv_scale: float32 scalar dequantisation scale of an FP8 cache; scores use
       ``sm_scale * kv_scale`` and the output is multiplied by ``kv_scale``.
+    cu_seqlens_q: optional int32 ``[B + 1]`` (FlashInfer's ``qo_indptr``,
+      vLLM's ``query_start_loc``) for per-request query lengths: the query is
+      then packed ``[T, H, 576]`` (or a pair of ``[T, H, *]``), request b's
+      tokens are rows ``cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1``,
+      ``plan.q_len`` is the largest count, and token i of a request of n
+      sees positions ``0 .. seq_len - n + i`` (causal). Returns
+      ``out [T, H, 512]`` (and ``lse [T, H]``); rows no request holds give
+      out 0, lse -inf. A request whose range is malformed (outside
+      ``[0, T]``, decreasing, overlapping an earlier one) or longer than
+      ``plan.q_len`` gives NaN rows (see mla_jax/_ragged.py), never an
+      out-of-bounds access.
     context_axis: only inside ``jax.shard_map``: a mesh axis name (or tuple)
       over which the cache's pages are split, device r of it holding global
       pages ``[r * num_pages, (r + 1) * num_pages)`` (num_pages: the local
@@ -152,8 +235,11 @@ def paged_decode(query, kv_cache, block_table, seq_lens, *, plan: DecodePlan,
       is not a CUDA GPU (raised by XLA when the program runs: no FFI handler
       registered for that platform).
   """
-  inputs = normalize(query, kv_cache, block_table, seq_lens, plan, kv_scale)
   if context_axis is not None:
     _sharding.require_manual(context_axis, "paged_decode")
+  if cu_seqlens_q is not None:
+    out, lse = _ragged_call(query, kv_cache, block_table, seq_lens, cu_seqlens_q, plan, kv_scale, context_axis)
+    return (out, lse) if return_lse else out
+  inputs = normalize(query, kv_cache, block_table, seq_lens, plan, kv_scale)
   call = _op.Call(plan, not inputs.query_had_q_axis, context_axis=context_axis)
   return _op.run(SPEC, call, _operands(inputs), inputs.query_had_q_axis, return_lse)
