@@ -78,7 +78,10 @@ def _serve(args) -> int:
     print("--requests and --slots must be >= 1", file=sys.stderr)
     return 2
   from mla_jax import serving
-  r = serving.demo(args.requests, backend=args.backend, max_slots=args.slots)
+  if not 0 <= args.draft_tokens <= 7:
+    print("--draft-tokens must be in 0..7", file=sys.stderr)
+    return 2
+  r = serving.demo(args.requests, backend=args.backend, max_slots=args.slots, draft_tokens=args.draft_tokens)
   print(f"{r['requests']} requests, {r['generated_tokens']} tokens generated in {r['wall_s']:.1f} s "
         f"({r['tokens_per_s']:.0f} tokens/s, compilation included)")
   print(f"{r['decode_steps']} decode steps, median {r['step_ms']:.1f} ms per step (host loop included); "
@@ -86,6 +89,9 @@ def _serve(args) -> int:
   print(f"one step with all {args.slots} slots at {r['probe_seq_len']} tokens: {r['probe_step_ms']:.1f} ms, "
         f"of which attention (paged_decode alone, every layer) {r['probe_attention_ms']:.1f} ms "
         f"({100 * r['probe_attention_ms'] / r['probe_step_ms']:.0f} %)")
+  if args.draft_tokens:
+    print(f"speculative steps (n-gram drafts, up to {args.draft_tokens} a request, ragged verification): "
+          f"{r['accepted']} of {r['drafted']} drafted tokens accepted")
   print(f"pages free after the run: {r['free_pages_after']} of {r['pages']}")
   return 0 if r["free_pages_after"] == r["pages"] else 1
 
@@ -109,6 +115,9 @@ def main(argv=None) -> int:
   serve.add_argument("--backend", default="auto", choices=("auto", "cuda", "cpu", "xla"))
   serve.add_argument("--requests", type=int, default=24, help="number of requests (default 24)")
   serve.add_argument("--slots", type=int, default=8, help="decode slots (default 8)")
+  serve.add_argument("--draft-tokens", type=int, default=0,
+                     help="speculative decode: up to this many n-gram draft tokens per request and step, "
+                          "verified in one ragged paged_decode (default 0: off)")
   args = parser.parse_args(argv)
   if argv is None:  # the command line
     _use_installed_copy(sys.argv[1:])

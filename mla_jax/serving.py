@@ -12,6 +12,12 @@ scaling, a gated MLP; no MoE), served with continuous batching:
   ``prefill`` writes straight into the decode state's pages (no separate
   prefix cache to copy), so prefill cannot run on other devices.
 
+With ``draft_tokens`` > 0 each step is speculative (:meth:`Engine.verify`):
+every request feeds its last token and up to that many drafted tokens (from
+a drafter such as :func:`ngram_drafter`) as one ragged query
+(``cu_seqlens_q``), and keeps the drafts greedy decoding would have produced,
+so each request accepts its own number of tokens per step.
+
 Prefill runs a prompt in chunks: each chunk's latents are written into the
 request's pages (:func:`mla_jax.append_kv`), then its queries attend causally
 over the request's cache through XLA. Decode is one jitted step for all
@@ -164,6 +170,21 @@ def _greedy(lg):
   return idx[..., 0].astype(jnp.int32), top[..., 0] - top[..., 1]
 
 
+def ngram_drafter(tokens, k: int, max_ngram: int = 3) -> list:
+  """Up to k draft tokens by prompt lookup: the tokens that followed the
+  latest earlier occurrence of the longest suffix (max_ngram down to 1
+  tokens) of ``tokens``; none when no suffix recurs."""
+  if k <= 0:
+    return []
+  tokens = list(tokens)
+  for n in range(min(max_ngram, len(tokens) - 1), 0, -1):
+    suffix = tokens[-n:]
+    for start in range(len(tokens) - n - 1, -1, -1):
+      if tokens[start:start + n] == suffix:
+        return tokens[start + n:start + n + k]
+  return []
+
+
 class PageAllocator:
   """Free list of cache pages (host side)."""
 
@@ -215,9 +236,12 @@ class Engine:
   """Continuous-batching greedy decoder over a paged MLA latent cache."""
 
   def __init__(self, cfg: ModelConfig, params, *, num_pages: int, page_size: int = 64, max_slots: int = 8,
-               max_pages_per_seq: int = 16, prefill_chunk: int = 64, backend: str = "auto", dtype=jnp.bfloat16):
+               max_pages_per_seq: int = 16, prefill_chunk: int = 64, backend: str = "auto", dtype=jnp.bfloat16,
+               draft_tokens: int = 0):
     if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
       raise TypeError(f"dtype: the decode kernels take bfloat16 or float16, got {jnp.dtype(dtype)}")
+    if not 0 <= draft_tokens <= 7:
+      raise ValueError(f"draft_tokens: expected 0 (no speculation) to 7 (q_len 8), got {draft_tokens}")
     # The CPU kernel is registered for the CPU platform only: on a host with
     # a GPU, backend "cpu" keeps the weights and the cache on the CPU device.
     self.device = jax.devices("cpu")[0] if backend == "cpu" else None
@@ -227,9 +251,14 @@ class Engine:
     self.prefill_chunk = prefill_chunk
     self.allocator = PageAllocator(num_pages)
     self.plan = DecodePlan(num_heads=cfg.num_heads, page_size=page_size, sm_scale=cfg.sm_scale, backend=backend)
+    # Speculative (MTP-style) steps verify up to draft_tokens proposed tokens
+    # per request: a ragged query of 1 + (that request's drafts) tokens.
+    self.draft_tokens = draft_tokens
+    self.verify_plan = dataclasses.replace(self.plan, q_len=1 + draft_tokens)
     self._step = jax.jit(self._step_impl, donate_argnums=(1,))
+    self._verify_step = jax.jit(self._verify_impl, donate_argnums=(1,))
     self._prefill_chunk = jax.jit(self._prefill_impl, donate_argnums=(1,))
-    self.timings = dict(steps=0, step_s=[], prefill_s=0.0)
+    self.timings = dict(steps=0, step_s=[], prefill_s=0.0, drafted=0, accepted=0, query_lens=[])
 
   # --- JetStream interface ---------------------------------------------------
   def init_decode_state(self) -> DecodeState:
@@ -273,14 +302,8 @@ class Engine:
 
   def generate(self, state: DecodeState) -> tuple[DecodeState, np.ndarray, np.ndarray]:
     """One decode step for every active slot: the next tokens [slots] and their margins."""
-    # A page for each token about to start one; checked for every slot
-    # before any page is taken, so a failure leaves the state as it was.
-    starting = [int(k) for k in np.flatnonzero(state.active) if state.seq_lens[k] % self.page_size == 0]
-    for slot in starting:
-      if state.seq_lens[slot] // self.page_size >= self.max_pages:
-        raise RuntimeError(f"slot {slot}: request reached max_pages_per_seq * page_size tokens")
-    for slot, page in zip(starting, self.allocator.alloc(len(starting))):
-      state.block_table[slot, state.seq_lens[slot] // self.page_size] = page
+    counts = state.active.astype(np.int32)
+    self._reserve(state, counts)
     new_lens = np.where(state.active, state.seq_lens + 1, 0).astype(np.int32)
     t0 = time.perf_counter()
     state.cache, (nxt, margin) = self._step(self.params, state.cache, jnp.asarray(state.tokens),
@@ -291,6 +314,67 @@ class Engine:
     state.seq_lens = np.where(state.active, new_lens, state.seq_lens).astype(np.int32)
     state.tokens = np.where(state.active, nxt, state.tokens).astype(np.int32)
     return state, nxt, margin
+
+  def verify(self, state: DecodeState, drafts) -> tuple[DecodeState, list, list]:
+    """One speculative step: each active slot's last token and its drafted
+    tokens (``drafts[slot]``, at most ``draft_tokens``) run as one ragged
+    query; the longest prefix of drafts the model itself would have produced
+    (greedy) is accepted, plus the model's next token after it. Returns the
+    state and, per slot, the emitted tokens (1 to 1 + its drafts; empty for
+    an inactive slot) and their margins. The cache keeps the accepted
+    tokens; the rejected ones' latents lie past ``seq_lens`` and are
+    overwritten later."""
+    if self.draft_tokens == 0:
+      raise RuntimeError("verify: this engine was built with draft_tokens=0")
+    drafts = [list(drafts[k]) if state.active[k] else [] for k in range(self.max_slots)]
+    for k, d in enumerate(drafts):
+      if len(d) > self.draft_tokens:
+        raise ValueError(f"drafts[{k}]: {len(d)} tokens, more than draft_tokens = {self.draft_tokens}")
+    counts = np.array([1 + len(d) if state.active[k] else 0 for k, d in enumerate(drafts)], np.int32)
+    self._reserve(state, counts)
+    width = self.max_slots * (1 + self.draft_tokens)      # fixed: one executable for every mix of counts
+    cu = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    tokens = np.zeros((width,), np.int32)
+    positions = np.zeros((width,), np.int32)
+    for k in np.flatnonzero(counts):
+      tokens[cu[k]:cu[k + 1]] = [state.tokens[k]] + drafts[k]
+      positions[cu[k]:cu[k + 1]] = state.seq_lens[k] + np.arange(counts[k])
+    new_lens = (state.seq_lens + counts).astype(np.int32)
+    t0 = time.perf_counter()
+    state.cache, (nxt, margin) = self._verify_step(self.params, state.cache, jnp.asarray(tokens),
+                                                   jnp.asarray(positions), jnp.asarray(cu),
+                                                   jnp.asarray(state.block_table), jnp.asarray(new_lens))
+    nxt, margin = (np.asarray(a) for a in jax.device_get((nxt, margin)))
+    self.timings["step_s"].append(time.perf_counter() - t0)
+    self.timings["steps"] += 1
+    self.timings["query_lens"].append(counts[state.active].tolist())
+    emitted, margins = [[] for _ in range(self.max_slots)], [[] for _ in range(self.max_slots)]
+    for k in np.flatnonzero(counts):
+      model = nxt[cu[k]:cu[k + 1]].tolist()          # the model's token after each fed token
+      a = 0
+      while a < len(drafts[k]) and drafts[k][a] == model[a]:
+        a += 1
+      emitted[k] = model[:a + 1]                      # the accepted drafts, then the model's next token
+      margins[k] = margin[cu[k]:cu[k] + a + 1].tolist()
+      self.timings["drafted"] += len(drafts[k])
+      self.timings["accepted"] += a
+      state.seq_lens[k] += 1 + a
+      state.tokens[k] = model[a]
+    return state, emitted, margins
+
+  def _reserve(self, state: DecodeState, counts) -> None:
+    """Pages for positions seq_lens .. seq_lens + counts - 1 of every slot;
+    checked for every slot before any page is taken, so a failure leaves the
+    state as it was."""
+    need = []
+    for k in np.flatnonzero(counts):
+      end = int(state.seq_lens[k]) + int(counts[k])
+      if end > self.max_pages * self.page_size:
+        raise RuntimeError(f"slot {k}: request would pass max_pages_per_seq * page_size tokens")
+      need += [(k, j) for j in range(int(state.seq_lens[k]) // self.page_size, -(-end // self.page_size))
+               if state.block_table[k, j] < 0]
+    for (k, j), page in zip(need, self.allocator.alloc(len(need))):
+      state.block_table[k, j] = page
 
   def attention_share(self, seq_len: int, reps: int = 5) -> tuple[float, float]:
     """(step seconds, attention seconds) of one decode step with every slot at
@@ -323,8 +407,8 @@ class Engine:
     return timed(step), timed(lambda: attn(query, state.cache, jnp.asarray(bt), jnp.asarray(lens)))
 
   def release(self, state: DecodeState, slot: int) -> None:
-    n = -(-int(state.seq_lens[slot]) // self.page_size)
-    self.allocator.release(state.block_table[slot, :n].tolist())
+    row = state.block_table[slot]
+    self.allocator.release(row[row >= 0].tolist())   # speculative steps may hold pages past seq_lens
     state.block_table[slot] = -1
     state.seq_lens[slot] = 0
     state.active[slot] = False
@@ -333,12 +417,17 @@ class Engine:
     """Pages a request fills: its prompt and every output token but the last, which is never cached."""
     return -(-(len(req.prompt) + req.max_new_tokens - 1) // self.page_size)
 
-  def serve(self, requests: list[Request]) -> list[Request]:
+  def serve(self, requests: list[Request], drafter=None) -> list[Request]:
     """Runs every request to completion with continuous batching (greedy).
 
     Requests are admitted in order into free slots between steps, each once
     the pool can hold its whole length (prompt + max_new_tokens), so a
-    running request never waits for a page.
+    running request never waits for a page. With ``draft_tokens`` > 0 every
+    step is a speculative one (:meth:`verify`): ``drafter(tokens, k)``
+    proposes up to k next tokens for a request whose tokens so far (prompt
+    and output) are ``tokens`` (default :func:`ngram_drafter`); greedy
+    verification makes the output the same as without drafts, up to
+    rounding at near ties.
 
     Raises:
       ValueError: a request longer than a slot (max_pages_per_seq pages) or
@@ -356,7 +445,7 @@ class Engine:
       for slot in range(self.max_slots):      # admit into free slots between steps
         if owner[slot] is not None or not queue:
           continue
-        held = sum(self._pages_for(r) - -(-int(state.seq_lens[k]) // self.page_size)
+        held = sum(self._pages_for(r) - int(np.sum(state.block_table[k] >= 0))
                    for k, r in enumerate(owner) if r is not None)   # pages running requests will still take
         if self.allocator.free - held < self._pages_for(queue[0]):
           if not any(r is not None for r in owner):   # nothing will free a page
@@ -372,19 +461,34 @@ class Engine:
         self._maybe_finish(state, owner, slot)
       if not any(r is not None for r in owner):
         continue
-      state, nxt, margin = self.generate(state)
+      if self.draft_tokens:
+        draft = drafter or ngram_drafter
+        # Drafts never take a request past max_new_tokens (so never past the pages it reserved).
+        drafts = [[] if r is None else
+                  list(draft(r.prompt + r.output, min(self.draft_tokens, r.max_new_tokens - len(r.output) - 1)))
+                  for r in owner]
+        state, emitted, margins = self.verify(state, drafts)
+      else:
+        state, nxt, margin = self.generate(state)
+        emitted = [[int(t)] for t in nxt]
+        margins = [[float(m)] for m in margin]
       for slot, req in enumerate(owner):
-        if req is not None:
-          req.output.append(int(nxt[slot]))
-          req.margins.append(float(margin[slot]))
-          self._maybe_finish(state, owner, slot)
+        if req is None:
+          continue
+        for tok, m in zip(emitted[slot], margins[slot]):
+          req.output.append(int(tok))
+          req.margins.append(float(m))
+          if self._maybe_finish(state, owner, slot):
+            break
     return requests
 
-  def _maybe_finish(self, state, owner, slot):
+  def _maybe_finish(self, state, owner, slot) -> bool:
     req = owner[slot]
     if len(req.output) >= req.max_new_tokens or (req.stop_token is not None and req.output[-1] == req.stop_token):
       self.release(state, slot)
       owner[slot] = None
+      return True
+    return False
 
   # --- jitted programs ---------------------------------------------------------
   def _step_impl(self, params, cache, tokens, block_table, seq_lens):
@@ -395,6 +499,20 @@ class Engine:
       query, latent = project(self.cfg, layer, x, positions)      # [B, H, 576], [B, 576]
       kv = append_kv(kv, latent[:, None], block_table, seq_lens)  # free slots (seq_lens 0) write nothing
       out = paged_decode(query, kv, block_table, seq_lens, plan=self.plan)
+      x = x + attend_out(layer, out)
+      x = x + mlp(layer, x)
+      new_cache.append(kv)
+    return new_cache, _greedy(logits(params, x))
+
+  def _verify_impl(self, params, cache, tokens, positions, cu, block_table, seq_lens):
+    """A ragged step: row t of ``tokens`` belongs to the request whose range
+    in ``cu`` holds it; rows past cu[B] are padding (written nowhere)."""
+    x = params["embed"][tokens]                                   # [T, hidden]
+    new_cache = []
+    for layer, kv in zip(params["layers"], cache):
+      query, latent = project(self.cfg, layer, x, positions)      # [T, H, 576], [T, 576]
+      kv = append_kv(kv, latent, block_table, seq_lens, cu_seqlens_q=cu)
+      out = paged_decode(query, kv, block_table, seq_lens, plan=self.verify_plan, cu_seqlens_q=cu)
       x = x + attend_out(layer, out)
       x = x + mlp(layer, x)
       new_cache.append(kv)
@@ -424,14 +542,14 @@ class Engine:
 
 
 def demo(num_requests: int = 24, *, backend: str = "auto", seed: int = 0, cfg: ModelConfig | None = None,
-         page_size: int = 64, max_slots: int = 8) -> dict:
+         page_size: int = 64, max_slots: int = 8, draft_tokens: int = 0) -> dict:
   """Serves random requests of mixed lengths; returns throughput figures."""
   cfg = cfg or ModelConfig()
   rng = np.random.default_rng(seed)
   params = init_params(cfg, seed)
   max_pages = 8
   engine = Engine(cfg, params, num_pages=max_slots * max_pages + 8, page_size=page_size, max_slots=max_slots,
-                  max_pages_per_seq=max_pages, backend=backend)
+                  max_pages_per_seq=max_pages, backend=backend, draft_tokens=draft_tokens)
   reqs = [Request(prompt=rng.integers(0, cfg.vocab_size, int(rng.integers(4, 200))).tolist(),
                   max_new_tokens=int(rng.integers(4, 48))) for _ in range(num_requests)]
   t0 = time.perf_counter()
@@ -445,5 +563,6 @@ def demo(num_requests: int = 24, *, backend: str = "auto", seed: int = 0, cfg: M
               step_ms=1e3 * float(np.median(steps)), prefill_s=t["prefill_s"],
               probe_seq_len=max_pages * page_size // 2, probe_step_ms=1e3 * step_s, probe_attention_ms=1e3 * attn_s,
               tokens_per_s=generated / wall, free_pages_after=engine.allocator.free,
+              drafted=t["drafted"], accepted=t["accepted"],
               pages=engine.allocator.num_pages, outputs=[r.output for r in reqs],
               margins=[r.margins for r in reqs])

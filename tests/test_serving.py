@@ -240,3 +240,68 @@ def test_prefill_chunks_agree_with_token_by_token_decode():
   assert len({t for t, _ in firsts}) == 1, firsts
   margins = [m for _, m in firsts]
   assert max(margins) - min(margins) < 0.02, firsts
+
+
+# --- speculative (MTP-style) steps: ragged verification --------------------------
+def _run_speculative(drafter, backend="cpu", seed=3, n=10, draft_tokens=3):
+  params = serving.init_params(SMALL, seed)
+  engine = serving.Engine(SMALL, params, num_pages=4 * 8 + 4, page_size=16, max_slots=4, max_pages_per_seq=8,
+                          prefill_chunk=32, backend=backend, draft_tokens=draft_tokens)
+  reqs = _requests(n, seed)
+  engine.serve(reqs, drafter=drafter)
+  return engine, reqs
+
+
+def test_speculative_steps_generate_the_plain_tokens(cpu_run):
+  """Drafts from the plain run's own continuation, wrong from a random point
+  on in half the steps: every request accepts a different number of tokens
+  per step (a ragged query), and greedy verification must give the plain
+  run's tokens (up to near ties)."""
+  plain = cpu_run[1]
+  rng = np.random.default_rng(0)
+
+  def drafter(tokens, k):
+    req = next(r for r in plain if tokens[:len(r.prompt)] == r.prompt)
+    done = len(tokens) - len(req.prompt)
+    draft = list(req.output[done:done + k])
+    if draft and rng.random() < 0.5:
+      j = int(rng.integers(len(draft)))
+      draft[j] = (draft[j] + 1) % SMALL.vocab_size
+    return draft[:int(rng.integers(0, k + 1))]        # a random number of drafts, 0 included
+
+  engine, reqs = _run_speculative(drafter)
+  _assert_same_streams(plain, reqs)
+  t = engine.timings
+  assert 0 < t["accepted"] < t["drafted"]
+  assert any(len(set(lens)) > 1 for lens in t["query_lens"])   # ragged within one step
+  assert t["steps"] < cpu_run[0].timings["steps"]               # accepted drafts saved steps
+  assert engine.allocator.free == engine.allocator.num_pages
+
+
+def test_ngram_drafter_run_matches_the_plain_run(cpu_run):
+  engine, reqs = _run_speculative(None)
+  _assert_same_streams(cpu_run[1], reqs)
+  assert engine.allocator.free == engine.allocator.num_pages
+
+
+def test_ngram_drafter():
+  assert serving.ngram_drafter([1, 2, 3, 9, 1, 2, 3], 2) == [9, 1]     # the suffix 1 2 3 recurs
+  assert serving.ngram_drafter([5, 6, 7, 5, 6], 4) == [7, 5, 6]        # as many as follow
+  assert serving.ngram_drafter([1, 2, 3], 3) == []                     # nothing recurs
+  assert serving.ngram_drafter([4, 4], 0) == []
+
+
+def test_verify_checks_its_arguments():
+  params = serving.init_params(SMALL, 0)
+  plain = serving.Engine(SMALL, params, num_pages=8, page_size=16, max_slots=2, max_pages_per_seq=4,
+                         backend="cpu")
+  with pytest.raises(RuntimeError, match="draft_tokens=0"):
+    plain.verify(plain.init_decode_state(), [[], []])
+  with pytest.raises(ValueError, match="draft_tokens: expected 0"):
+    serving.Engine(SMALL, params, num_pages=8, backend="cpu", draft_tokens=8)
+  spec = serving.Engine(SMALL, params, num_pages=8, page_size=16, max_slots=2, max_pages_per_seq=4,
+                        backend="cpu", draft_tokens=2)
+  state = spec.init_decode_state()
+  state = spec.insert(spec.prefill(state, [1, 2, 3]), state, 0)
+  with pytest.raises(ValueError, match=r"drafts\[0\]: 3 tokens"):
+    spec.verify(state, [[1, 2, 3], []])
