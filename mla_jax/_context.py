@@ -107,7 +107,7 @@ def _tail(plan, q_nope, q_pe, ckv, kpe, block_table, lens, kv_scale, lo, num_tai
   pos = lens[:, None] - num_tail + k[None, :]                 # [B, K] global positions
   pos_ok = pos >= 0
   pos = jnp.maximum(pos, 0)
-  page = jnp.take_along_axis(block_table, jnp.minimum(pos // ps, t - 1), axis=1)
+  page = jnp.take_along_axis(block_table, jnp.minimum(pos // ps, t - 1), axis=1, mode="clip")
   mine = pos_ok & (page >= lo) & (page < lo + num_local)
   local = jnp.clip(page - lo, 0, num_local - 1)
   slot = pos % ps

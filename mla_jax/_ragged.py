@@ -116,7 +116,7 @@ def ragged_paged_decode(run_uniform, plan, q_nope, q_pe, block_table, seq_lens, 
     ok = request_validity(block_table, seq_lens, num_pages, plan.page_size)[owner]
     seen = jnp.maximum(lens - n + i + 1, 0) if plan.causal else lens
     row_lens = jnp.where(good_row & ok, seen, jnp.where(good_row | nan_row, -1, 0))
-    table = jnp.take(block_table, owner, axis=0)
+    table = jnp.take(block_table, owner, axis=0, mode="clip")
     one = dataclasses.replace(plan, q_len=1)
     q = (q_nope, q_pe) if q_nope is not q_pe else q_nope
     return run_uniform(one, q, table, row_lens.astype(jnp.int32))
@@ -130,7 +130,7 @@ def ragged_paged_decode(run_uniform, plan, q_nope, q_pe, block_table, seq_lens, 
   def to_padded(x):
     if tokens == 0:
       return jnp.zeros((batch, q_len) + x.shape[1:], x.dtype)
-    return jnp.where(live[..., None, None], jnp.take(x, src, axis=0), jnp.zeros((), x.dtype))
+    return jnp.where(live[..., None, None], jnp.take(x, src, axis=0, mode="clip"), jnp.zeros((), x.dtype))
 
   q = to_padded(q_nope) if q_nope is q_pe else (to_padded(q_nope), to_padded(q_pe))
   out_p, lse_p = run_uniform(plan, q, block_table, seq_lens)                    # [B, Q, H, dv], [B, Q, H]

@@ -28,7 +28,7 @@ def _gather_keys(kv, safe_idx, kv_format: str, compute):
   """Cache rows at safe_idx [B, Q, K] as (k_nope [B,Q,K,512], k_pe [B,Q,K,64]) in compute."""
   num_slots = kv.shape[0] * kv.shape[1]
   flat = kv.reshape(num_slots, kv.shape[-1])
-  rows = jnp.take(flat, safe_idx, axis=0)                   # [B, Q, K, W]
+  rows = jnp.take(flat, safe_idx, axis=0, mode="clip")                   # [B, Q, K, W]
   dn = fp8_cache.KV_LORA_RANK
   if kv_format == "fp8_ds_mla":
     q, s, r = fp8_cache.split_latent_fp8(rows)

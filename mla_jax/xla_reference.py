@@ -70,10 +70,12 @@ def paged_decode_xla(inputs: DecodeInputs, plan: DecodePlan):
     lse = jnp.where(valid, jnp.full((b, q_len, h), -jnp.inf, jnp.float32), jnp.nan)
     return out.astype(q_nope.dtype), lse
 
+  # Clipped ids, gathered with mode="clip": every index is in bounds, so the
+  # gather needs no out-of-bounds mask (jnp.take's default "fill" adds one).
   ids = jnp.clip(block_table, 0, num_pages - 1)
   compute = q_nope.dtype
-  k_nope = jnp.take(ckv, ids, axis=0).reshape(b, n_tok, dn).astype(compute)
-  k_pe = jnp.take(kpe, ids, axis=0).reshape(b, n_tok, kpe.shape[-1]).astype(compute)
+  k_nope = jnp.take(ckv, ids, axis=0, mode="clip").reshape(b, n_tok, dn).astype(compute)
+  k_pe = jnp.take(kpe, ids, axis=0, mode="clip").reshape(b, n_tok, kpe.shape[-1]).astype(compute)
 
   pos = jnp.arange(n_tok)
   live = pos[None, :] < seq_lens[:, None]                                  # [B, N]
