@@ -10,7 +10,8 @@ LSEs cross devices, never cache bytes.
 
 Paged decode on one device: the kernel runs non-causally over a block table
 of the request's own pages, compacted to the front (so its work is
-proportional to the local tokens), covering every position that all Q query
+proportional to the local tokens on the kernel backends; the pure-JAX
+backend gathers every table column), covering every position that all Q query
 tokens see; the last Q - 1 positions, which only some query tokens see
 (causal, q_len > 1), are attended here in JAX (at most 7 tokens a request).
 Validity (a length out of range, a live page id outside the global
@@ -33,6 +34,17 @@ from .xla_reference import capacity, request_validity
 def axis_names(axis) -> tuple:
   """A mesh axis name or a tuple of them, as a tuple."""
   return (axis,) if isinstance(axis, str) else tuple(axis)
+
+
+def join_axes(outer, inner):
+  """The context axes of a call whose pages are split over ``outer`` (a
+  user's context_axis, or None) and, within each of its shards, over
+  ``inner``: device (o, i) holds global pages from (o * |inner| + i) * P,
+  which is axis_index((outer..., inner...)) * P."""
+  if outer is None:
+    return inner
+  names = axis_names(outer) + axis_names(inner)
+  return names[0] if len(names) == 1 else names
 
 
 def local_pages(axis, num_local_pages: int):

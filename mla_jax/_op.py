@@ -21,7 +21,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from . import _ffi, _sharding, kernels
+from . import _context, _ffi, _sharding, kernels
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,7 +149,8 @@ def _local(spec: OpSpec, call: Call, *args):
 def build(spec: OpSpec, call: Call):
   """The op for one spec and static call: fn(*operands) -> (out, lse)."""
   bind = lambda c, context_axis=None: functools.partial(
-      _local, spec, c if context_axis is None else dataclasses.replace(c, context_axis=context_axis))
+      _local, spec, c if context_axis is None else
+      dataclasses.replace(c, context_axis=_context.join_axes(c.context_axis, context_axis)))
   shardings = spec.shardings
   cache = spec.cache_operands[0]
   partitioned = _sharding.partitioned_op(bind, shardings, spec.sharding_rule, cache_operand=cache)

@@ -52,15 +52,24 @@ def _names(entry) -> tuple:
   return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
-def context_axis(cache_sharding, batch_axis, head_axis, allowed=None):
+def context_axis(cache_sharding, num_pages, batch_axis, head_axis, allowed=None):
   """The mesh axes the cache's page axis is split over, when the op can
   decode it in place: axes that shard neither B nor H (and are in
-  ``allowed`` when given). None: the cache is replicated first."""
+  ``allowed`` when given), splitting ``num_pages`` evenly. None: the cache
+  is replicated first."""
   spec = tuple(getattr(cache_sharding, "spec", None) or ())
   names = _names(spec[0]) if spec else ()
   if not names or set(names) & set(_names(batch_axis) + _names(head_axis)):
     return None
   if allowed is not None and not set(names) <= set(allowed):
+    return None
+  mesh_shape = dict(getattr(getattr(cache_sharding, "mesh", None), "shape", None) or {})
+  size = 1
+  for n in names:
+    size *= mesh_shape.get(n, 0)
+  # An uneven split pads the last shards, whose pages would then look real
+  # (ids past the cache must stay NaN): replicate instead.
+  if size == 0 or not isinstance(num_pages, int) or num_pages % size:
     return None
   return names[0] if len(names) == 1 else names
 
@@ -88,7 +97,8 @@ def partitioned_op(bind, shardings, sharding_rule: str, cache_operand: int):
 
   def partition(call, mesh, arg_shapes, result_shape):
     b, h = query_axes(arg_shapes[0].sharding)
-    pages = context_axis(arg_shapes[cache_operand].sharding, b, h)
+    cache = arg_shapes[cache_operand]
+    pages = context_axis(cache.sharding, cache.shape[0], b, h)
     arg_shardings, out_shardings = shardings(mesh, b, h, pages)
     return mesh, bind(call, context_axis=pages), out_shardings, arg_shardings
 
@@ -125,7 +135,8 @@ def dispatch(args, *, local, partitioned, shardings, cache_operand: int):
   manual = {n for n, t in types.items() if t == jax.sharding.AxisType.Manual}
   if explicit:
     b, h = query_axes(jax.typeof(args[0]).sharding)
-    pages = context_axis(jax.typeof(args[cache_operand]).sharding, b, h, allowed=explicit)
+    cache = jax.typeof(args[cache_operand])
+    pages = context_axis(cache.sharding, cache.shape[0], b, h, allowed=explicit)
     arg_specs, out_specs = (tuple(s.spec for s in ss) for ss in shardings(mesh, b, h, pages))
     # the explicit axes are manual there
     inner = local(context_axis=pages) if pages is not None else None

@@ -211,7 +211,8 @@ def paged_decode(query, kv_cache, block_table, seq_lens, *, plan: DecodePlan,
       cache's). ``block_table`` then holds global page ids, each device
       attends its own pages, and the result, merged over the axis, is the
       same on every device of it. Under ``jax.jit`` a cache sharded on its
-      page axis is decoded this way without this argument.
+      page axis (evenly, over axes that shard neither B nor H; otherwise it
+      is gathered first) is decoded this way without this argument.
 
   Returns:
     ``out [B, (Q,) H, 512]`` in the query dtype, and with ``return_lse`` also

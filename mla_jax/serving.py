@@ -330,6 +330,8 @@ class Engine:
     for k, d in enumerate(drafts):
       if len(d) > self.draft_tokens:
         raise ValueError(f"drafts[{k}]: {len(d)} tokens, more than draft_tokens = {self.draft_tokens}")
+      if any(not 0 <= t < self.cfg.vocab_size for t in d):
+        raise ValueError(f"drafts[{k}]: token ids outside [0, vocab_size = {self.cfg.vocab_size})")
     counts = np.array([1 + len(d) if state.active[k] else 0 for k, d in enumerate(drafts)], np.int32)
     self._reserve(state, counts)
     width = self.max_slots * (1 + self.draft_tokens)      # fixed: one executable for every mix of counts
@@ -464,9 +466,8 @@ class Engine:
       if self.draft_tokens:
         draft = drafter or ngram_drafter
         # Drafts never take a request past max_new_tokens (so never past the pages it reserved).
-        drafts = [[] if r is None else
-                  list(draft(r.prompt + r.output, min(self.draft_tokens, r.max_new_tokens - len(r.output) - 1)))
-                  for r in owner]
+        room = [0 if r is None else min(self.draft_tokens, r.max_new_tokens - len(r.output) - 1) for r in owner]
+        drafts = [[] if r is None else list(draft(r.prompt + r.output, k))[:k] for r, k in zip(owner, room)]
         state, emitted, margins = self.verify(state, drafts)
       else:
         state, nxt, margin = self.generate(state)

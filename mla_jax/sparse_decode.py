@@ -129,7 +129,8 @@ def sparse_decode(query, kv_cache, indices, *, plan: SparseDecodePlan, topk_lens
       slots ``[r * S, (r + 1) * S)`` (S: the local cache's slots);
       ``indices`` hold global slots and the result, merged over the axis, is
       the same on every device of it. Under ``jax.jit`` a cache sharded on
-      its page axis is decoded this way without this argument.
+      its page axis (evenly, over axes that shard neither B nor H; otherwise
+      it is gathered first) is decoded this way without this argument.
 
   Returns:
     ``out [B, (Q,) H, 512]`` in the query dtype, and with ``return_lse`` also

@@ -11,7 +11,9 @@
 # there; otherwise everything goes to the terminal.
 #
 # Environment: MLA_JAX_CUDA_ARCHS (default 90a here: H100/H200), PYTHON
-# (default python3), PYTEST_ARGS (extra pytest arguments). After a build by
+# (default python3), PYTEST_ARGS (extra pytest arguments), PYTEST_JOBS (test
+# files run at once, one pytest each, sharing the GPU; default 1: one pytest
+# over tests/, as CI runs it). After a build by
 # this script, the long randomized run on the GPU alone is
 #   python3 -m pytest -q tests/test_differential.py -k "random_cases and cuda" --differential-cases 3000
 # The editable install this script makes shadows --target builds: run
@@ -50,19 +52,38 @@ log build.log $PY -m pip install -q --no-build-isolation --no-deps -e .
 echo "=== build took $((SECONDS - t0)) s"
 $PY -m mla_jax info
 
-echo "=== python -m pytest -q tests${LOG_DIR:+ (log in \$OUT/pytest.log)}"
+JOBS=${PYTEST_JOBS:-1}
+echo "=== python -m pytest -q tests (${JOBS} at a time)${LOG_DIR:+, log in \$OUT/pytest.log}"
 t0=$SECONDS
 rc=0
-if [ -n "$LOG_DIR" ]; then
+export XLA_PYTHON_CLIENT_PREALLOCATE=${XLA_PYTHON_CLIENT_PREALLOCATE:-false}  # several processes share the GPU
+log_file=${LOG_DIR:-/tmp}/pytest.log
+if [ "$JOBS" -le 1 ]; then
   # shellcheck disable=SC2086
-  $PY -m pytest -q tests ${PYTEST_ARGS:-} > "$LOG_DIR/pytest.log" 2>&1 || rc=$?
-  grep -E "^(FAILED|ERROR) " "$LOG_DIR/pytest.log" | head -n 40 || true
-  summary=$(tail -n 1 "$LOG_DIR/pytest.log")
+  $PY -m pytest -q tests ${PYTEST_ARGS:-} > "$log_file" 2>&1 || rc=$?
+  [ -n "$LOG_DIR" ] || cat "$log_file"
+  summary=$(tail -n 1 "$log_file")
 else
+  # One pytest per test file, JOBS at a time, the slow GPU-heavy files
+  # first so that they do not start last; each file's log goes to
+  # pytest_<file>.log, all of them into pytest.log.
+  parts=${LOG_DIR:-/tmp}/pytest_parts
+  rm -rf "$parts" && mkdir -p "$parts"
+  first="test_cuda_kernel test_differential test_sparse_decode test_serving test_context_parallel test_fp8"
+  files=$(for f in $first; do echo "tests/$f.py"; done; ls tests/test_*.py | grep -v -E "$(echo $first | tr ' ' '|')")
   # shellcheck disable=SC2086
-  $PY -m pytest -q tests ${PYTEST_ARGS:-} 2>&1 | tee /tmp/mla_jax_pytest.log || rc=${PIPESTATUS[0]}
-  summary=$(tail -n 1 /tmp/mla_jax_pytest.log)
+  printf '%s\n' $files | xargs -P "$JOBS" -I{} sh -c \
+    'f={}; n=$(basename "$f" .py); '"$PY"' -m pytest -q -p no:cacheprovider "$f" '"${PYTEST_ARGS:-}"' \
+       > "'"$parts"'/$n.log" 2>&1; echo "$? $n" >> "'"$parts"'/rc"'
+  cat "$parts"/test_*.log > "$log_file"
+  awk '$1 != 0 && $1 != 5 {bad = 1} END {exit bad}' "$parts/rc" || rc=1
+  # "N passed, M skipped ..." per file, summed
+  summary=$(for f in "$parts"/test_*.log; do tail -n 1 "$f"; done |
+            awk '{for (i = 2; i <= NF; i++) if ($i ~ /^(passed|failed|skipped|errors?|deselected)/) {
+                    k = $i; sub(/[,;]$/, "", k); n[k] += $(i - 1) } }
+                 END {for (k in n) printf "%d %s, ", n[k], k; print ""}')
 fi
+grep -E "^(FAILED|ERROR) " "$log_file" | head -n 40 || true
 passed=$(grep -oE "[0-9]+ passed" <<< "$summary" | grep -oE "[0-9]+" || echo 0)
 echo "=== pytest: $summary"
 echo "=== passed: $passed (rc $rc; tests $((SECONDS - t0)) s, total $((SECONDS - t_all)) s)"

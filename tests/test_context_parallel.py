@@ -216,6 +216,83 @@ def test_shard_map_context_axis(backend):
   _assert_partials_only(hlo, len(LENS) // 2, 4, H)
 
 
+def test_tuple_of_axes():
+  """Pages split over two mesh axes at once, P(("a", "b")): device (a, b)
+  holds the (a * 4 + b)-th share."""
+  d = _inputs(13, LENS, 2)
+  plan = _plan("cpu", 2)
+  mesh = jax.make_mesh((2, 4), ("a", "b"), axis_types=(AxisType.Auto,) * 2, devices=CPU[:8])
+  f = _decode(plan)
+  args = _place(d, mesh, P(), ("a", "b"))
+  _check(f(*args), _unsharded(d, plan), _reference(d, plan))
+  _assert_partials_only(f.lower(*args).compile().as_text(), len(LENS), 2, H)
+
+
+def test_ragged_query_with_context_parallelism():
+  """cu_seqlens_q on a page-sharded cache, both ragged layouts (left-padded
+  below 64 heads, per token at 64): the causal tails of requests of
+  different lengths cross devices."""
+  for heads in (8, 64):
+    rng = np.random.default_rng(14)
+    lens, counts = [5, 40, 17, 1, 64, 33], [3, 1, 4, 2, 0, 4]
+    d = random_paged_inputs(rng, lens, num_heads=heads, page_size=4, extra_pages=3)
+    kv = jnp.asarray(_pad_pages(rng, d["kv_cache"], 8), jnp.bfloat16)
+    cu = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    q = jnp.asarray(rng.standard_normal((int(cu[-1]) + 1, heads, 576)), jnp.bfloat16)
+    plan = mla_jax.DecodePlan(num_heads=heads, page_size=4, q_len=4, sm_scale=0.1, backend="cpu")
+    f = jax.jit(lambda q, kv, bt, sl, cu: mla_jax.paged_decode(q, kv, bt, sl, plan=plan, cu_seqlens_q=cu,
+                                                               return_lse=True))
+    want = f(q, kv, d["block_table"], d["seq_lens"], cu)
+    mesh = jax.make_mesh((8,), ("cp",), axis_types=(AxisType.Auto,), devices=CPU[:8])
+    put = lambda x, *s: jax.device_put(x, NamedSharding(mesh, P(*s)))
+    got = f(put(q), put(kv, "cp"), put(d["block_table"]), put(d["seq_lens"]), put(cu))
+    np.testing.assert_allclose(np.asarray(got[0], np.float32), np.asarray(want[0], np.float32), atol=2e-2, rtol=0)
+    np.testing.assert_allclose(np.asarray(got[1]), np.asarray(want[1]), atol=1e-4, rtol=1e-5)
+    assert not np.isnan(np.asarray(got[1])).any()
+
+
+def test_uneven_page_split_is_gathered():
+  """A page count the axis does not divide (a sharding constraint inside
+  jit pads the last shards): decoded after a gather, ids past the cache
+  still NaN."""
+  d = _inputs(15, LENS, 1, num_pages_multiple=1)
+  d["kv_cache"] = d["kv_cache"][:(d["kv_cache"].shape[0] // 8) * 8 + 3]     # 8 does not divide it
+  bt = d["block_table"].copy()
+  bt[0, 0] = d["kv_cache"].shape[0] + 2                                       # past the cache
+  d = dict(d, block_table=bt)
+  plan = _plan("cpu")
+  mesh = jax.make_mesh((8,), ("cp",), axis_types=(AxisType.Auto,), devices=CPU[:8])
+  shard = NamedSharding(mesh, P("cp"))
+  f = jax.jit(lambda q, kv, bt, sl: mla_jax.paged_decode(q, jax.lax.with_sharding_constraint(kv, shard), bt, sl,
+                                                         plan=plan, return_lse=True))
+  got = f(d["query"][:, 0], d["kv_cache"], bt, d["seq_lens"])
+  want = _unsharded(dict(d, query=d["query"][:, 0]), plan)
+  out, lse = (np.asarray(x, np.float32) for x in got)
+  assert np.isnan(out[0]).all() and np.isnan(lse[0]).all()
+  np.testing.assert_allclose(out[1:], np.asarray(want[0], np.float32)[1:], atol=2e-2, rtol=0)
+
+
+def test_user_context_axis_with_an_inner_explicit_split():
+  """context_axis="x" inside a shard_map over x, on a cache whose pages are
+  also split over an Explicit axis y within each x shard: both axes merge."""
+  d = _inputs(16, LENS, 2)
+  plan = _plan("cpu", 2)
+  mesh = jax.make_mesh((2, 4), ("x", "y"), axis_types=(AxisType.Explicit,) * 2, devices=CPU[:8])
+
+  def body(q, kv, bt, sl):
+    kv = jax.sharding.reshard(kv, P("y"))          # this x shard's pages, split again over y
+    return mla_jax.paged_decode(q, kv, bt, sl, plan=plan, return_lse=True, context_axis="x")
+
+  f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P("x"), P(), P()), out_specs=(P(), P()),
+                            axis_names={"x"}))
+  with jax.set_mesh(mesh):
+    args = _place(d, mesh, P(), "x")
+    got = f(*args)
+    hlo = f.lower(*args).compile().as_text()
+  _check(got, _unsharded(d, plan), _reference(d, plan))
+  _assert_partials_only(hlo, len(LENS), 2, H)
+
+
 def test_context_axis_outside_shard_map_is_refused():
   d = _inputs(7, LENS, 1)
   with pytest.raises(ValueError, match="context_axis='cp'.*not a manual axis"):

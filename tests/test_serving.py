@@ -281,6 +281,13 @@ def test_speculative_steps_generate_the_plain_tokens(cpu_run):
 def test_ngram_drafter_run_matches_the_plain_run(cpu_run):
   engine, reqs = _run_speculative(None)
   _assert_same_streams(cpu_run[1], reqs)
+  assert engine.timings["drafted"] > 0
+  assert engine.allocator.free == engine.allocator.num_pages
+
+
+def test_serve_trims_a_drafter_that_proposes_too_many(cpu_run):
+  engine, reqs = _run_speculative(lambda tokens, k: [tokens[-1]] * 3)   # always 3, whatever k allows
+  _assert_same_streams(cpu_run[1], reqs)
   assert engine.allocator.free == engine.allocator.num_pages
 
 
