@@ -13,7 +13,8 @@
 # Environment: MLA_JAX_CUDA_ARCHS (default 90a here: H100/H200), PYTHON
 # (default python3), PYTEST_ARGS (extra pytest arguments), PYTEST_JOBS (test
 # files run at once, one pytest each, sharing the GPU; default 1: one pytest
-# over tests/, as CI runs it). After a build by
+# over tests/, as CI runs it), SKIP_BUILD=1 (test the installed build, e.g. on
+# a machine still warm from an earlier call). After a build by
 # this script, the long randomized run on the GPU alone is
 #   python3 -m pytest -q tests/test_differential.py -k "random_cases and cuda" --differential-cases 3000
 # The editable install this script makes shadows --target builds: run
@@ -45,11 +46,15 @@ if compgen -G ".whl/*.whl" > /dev/null; then
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 
-echo "=== building (MLA_JAX_CUDA_ARCHS=$MLA_JAX_CUDA_ARCHS)${LOG_DIR:+, log in \$OUT/build.log}"
-t0=$SECONDS
-# --no-deps: offline; jax and numpy are already installed.
-log build.log $PY -m pip install -q --no-build-isolation --no-deps -e .
-echo "=== build took $((SECONDS - t0)) s"
+if [ "${SKIP_BUILD:-0}" = 1 ]; then
+  echo "=== SKIP_BUILD=1: testing the mla_jax already installed"
+else
+  echo "=== building (MLA_JAX_CUDA_ARCHS=$MLA_JAX_CUDA_ARCHS)${LOG_DIR:+, log in \$OUT/build.log}"
+  t0=$SECONDS
+  # --no-deps: offline; jax and numpy are already installed.
+  log build.log $PY -m pip install -q --no-build-isolation --no-deps -e .
+  echo "=== build took $((SECONDS - t0)) s"
+fi
 $PY -m mla_jax info
 
 JOBS=${PYTEST_JOBS:-1}
@@ -66,8 +71,9 @@ if [ "$JOBS" -le 1 ]; then
 else
   # One pytest per test file, JOBS at a time, the slow GPU-heavy files
   # first so that they do not start last; each file's log goes to
-  # pytest_<file>.log, all of them into pytest.log.
-  parts=${LOG_DIR:-/tmp}/pytest_parts
+  # /tmp/mla_jax_pytest_parts/<file>.log, all of them into pytest.log (one
+  # file: the device tool brings back few).
+  parts=/tmp/mla_jax_pytest_parts
   rm -rf "$parts" && mkdir -p "$parts"
   first="test_cuda_kernel test_differential test_sparse_decode test_serving test_context_parallel test_fp8"
   files=$(for f in $first; do echo "tests/$f.py"; done; ls tests/test_*.py | grep -v -E "$(echo $first | tr ' ' '|')")

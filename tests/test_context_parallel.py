@@ -429,3 +429,26 @@ def test_merge_states_over_axis_exact_for_empty_and_nan():
   np.testing.assert_allclose(got_out[1], want, rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(got_lse[1], want_lse, rtol=1e-6)
   assert np.isnan(got_out[2]).all() and np.isnan(got_lse[2])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("q_len", [1, 4])
+def test_cuda_kernels_under_context_axis_on_one_gpu(q_len):
+  """The CUDA path of a context-parallel call (non-causal body through the
+  kernels, causal tail in JAX, merge) on a one-GPU axis."""
+  d = _inputs(17, LENS, q_len, page_size=64, num_pages_multiple=1)
+  plan = _plan("cuda", q_len, page_size=64)
+  gpu = jax.devices("cuda")[:1]
+  mesh = jax.make_mesh((1,), ("cp",), axis_types=(AxisType.Explicit,), devices=gpu)
+
+  def body(q, kv, bt, sl):
+    return mla_jax.paged_decode(q, kv, bt, sl, plan=plan, return_lse=True, context_axis="cp")
+
+  f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P("cp"), P(), P()), out_specs=(P(), P())))
+  with jax.set_mesh(mesh):
+    put = lambda x, *s: jax.device_put(x, NamedSharding(mesh, P(*s)))
+    got = f(put(d["query"]), put(d["kv_cache"], "cp"), put(d["block_table"]), put(d["seq_lens"]))
+  ref = _reference(d, plan)
+  out, lse = (np.asarray(x, np.float32) for x in got)
+  np.testing.assert_allclose(out, ref[0], atol=2e-2, rtol=0)
+  np.testing.assert_allclose(lse, ref[1], atol=1e-3, rtol=0)
