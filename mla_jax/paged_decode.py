@@ -86,7 +86,7 @@ def explain_call(plan: DecodePlan, query, kv_cache, block_table, seq_lens, *, kv
     b, t = inputs.block_table.shape
     if _ragged.layout(plan) == "per_token":
       p, rows, how = dataclasses.replace(plan, q_len=1), tokens, (
-          f"ragged query: each of its {tokens} tokens is a q_len-1 request ({plan.num_heads} heads >= "
+          f"ragged query: each of its {tokens} rows is a q_len-1 request ({plan.num_heads} heads >= "
           f"{_ragged.PER_TOKEN_MIN_HEADS}: a token fills its own row tiles)")
     else:
       p, rows, how = plan, b, (

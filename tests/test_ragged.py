@@ -195,7 +195,7 @@ def test_layout_rule_and_explain():
   sds = jax.ShapeDtypeStruct
   e = mla_jax.explain(_plan("cpu", 128, 4), sds((9, 128, 576), jnp.bfloat16), sds((10, 16, 576), jnp.bfloat16),
                       sds((3, 5), jnp.int32), sds((3,), jnp.int32), cu_seqlens_q=sds((4,), jnp.int32))
-  assert "each of its 9 tokens is a q_len-1 request" in str(e)
+  assert "each of its 9 rows is a q_len-1 request" in str(e)
 
 
 def test_heads_sharded():
