@@ -5,8 +5,10 @@ One cached token is 656 bytes (the layout of FlashMLA / vLLM's
 
   bytes   0..511  512 float8_e4m3fn values: ckv[g*128 + j] / scale[g]
   bytes 512..527  4 little-endian float32 scales, one per group g of 128
-                  ckv values: scale[g] = amax_g / 448 ("arbitrary"), or that
-                  value rounded *up* to a power of two ("pow2")
+                  ckv values: scale[g] = amax_g / 448 ("arbitrary"), or the
+                  smallest power of two >= max(amax_g / 448, 1e-4) ("pow2",
+                  DeepSeek's rule: byte for byte the rows FlashMLA's reference
+                  quantiser writes)
   bytes 528..655  64 bfloat16 kpe (rope) values, unquantised
 
 Dequantisation: ``ckv[i] = float(e4m3[i]) * scale[i // 128]``,
@@ -31,6 +33,9 @@ ROW_BYTES = 656
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 SCALE_FORMATS = ("pow2", "arbitrary")
 _MIN_NORMAL = 2.0**-126
+# DeepSeek's pow2 rule floors amax / 448 at 1e-4 before rounding up, so no
+# pow2 scale is below 2^-13 (the smallest power of two >= 1e-4).
+_POW2_FLOOR = 2.0**-13
 
 
 def _round_up_pow2(s):
@@ -79,13 +84,14 @@ def quantize_latent_fp8(kv, scale_format: str = "pow2"):
     kv: ``[..., 576]`` (typically ``[num_pages, page_size, 576]``) bfloat16,
       float16 or float32: ckv in the first 512 features, kpe in the last 64.
     scale_format: "pow2" (default; DeepSeek V3.2 / FlashMLA): each group's
-      scale is the smallest power of two >= ``amax / 448``, so quantising and
-      dequantising are exact scalings and the bytes are identical on every
-      platform; "arbitrary": the float32 quotient ``amax / 448`` itself, not
-      rounded (IEEE division on CPU; XLA's GPU division may differ from it by
-      an ulp, and then so may a few e4m3 codes). A group whose float32
-      ``amax / 448`` is 0 or subnormal (amax below about 5e-36) gets scale 1
-      (its values quantise to 0).
+      scale is the smallest power of two >= ``max(amax / 448, 1e-4)`` (so at
+      least 2^-13; the same bytes as FlashMLA's reference quantiser), so
+      quantising and dequantising are exact scalings and the bytes are
+      identical on every platform; "arbitrary": the float32 quotient
+      ``amax / 448`` itself, not rounded (IEEE division on CPU; XLA's GPU
+      division may differ from it by an ulp, and then so may a few e4m3
+      codes), and a group whose ``amax / 448`` is 0 or subnormal (amax below
+      about 5e-36) gets scale 1 (its values quantise to 0).
 
   Returns:
     uint8 ``[..., 656]``: per token 512 e4m3 bytes, 4 little-endian float32
@@ -114,7 +120,8 @@ def quantize_latent_fp8(kv, scale_format: str = "pow2"):
   # subnormals to zero.
   live = approx >= jnp.float32(_MIN_NORMAL)
   if scale_format == "pow2":
-    scale = _exact_pow2_scale(amax, approx, live)
+    floor = jnp.float32(_POW2_FLOOR)
+    scale = jnp.where(live, jnp.maximum(_exact_pow2_scale(amax, approx, live), floor), floor)
     # x / 2^e == x * 2^-e exactly; the reciprocal comes from the bits, so no
     # platform division is involved and every platform gives the same bytes.
     inv = jax.lax.bitcast_convert_type(

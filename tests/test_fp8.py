@@ -48,10 +48,9 @@ def expected_scales(kv, scale_format):
   """float32 [..., 4] scales computed in NumPy from the rule."""
   amax = np.abs(np.asarray(kv, np.float32)[..., :DN].reshape(kv.shape[:-1] + (4, 128))).max(-1)
   s = (amax / np.float32(448.0)).astype(np.float32)
-  s = np.where(s >= np.float32(2.0**-126), s, np.float32(1.0)).astype(np.float32)
-  if scale_format == "pow2":
-    s = np.exp2(np.ceil(np.log2(s.astype(np.float64)))).astype(np.float32)
-  return s
+  if scale_format == "pow2":   # floored at 1e-4, then rounded up to a power of two
+    return np.exp2(np.ceil(np.log2(np.maximum(s.astype(np.float64), 1e-4)))).astype(np.float32)
+  return np.where(s >= np.float32(2.0**-126), s, np.float32(1.0)).astype(np.float32)
 
 
 # --- quantisation ------------------------------------------------------------------------------
@@ -87,13 +86,41 @@ def test_layout_byte_for_byte(scale_format, dtype):
   assert not np.any((q[..., :512] & 0x7F) == 0x7F), "an e4m3 NaN byte"
 
 
+def _reference_rows(kv_bf16):
+  """656-byte rows by the rule of FlashMLA's reference quantiser, in float32
+  as it computes: scale = 2^ceil(log2(max(amax / 448, 1e-4))), e4m3 of
+  ckv / scale (round to nearest even), the bf16 rope bytes as they are."""
+  x = np.asarray(kv_bf16).astype(np.float32)
+  groups = x[..., :DN].reshape(x.shape[:-1] + (4, 128))
+  inv = np.abs(groups).max(-1) / np.float32(448.0)
+  scale = np.power(np.float32(2.0), np.ceil(np.log2(np.maximum(inv, np.float32(1e-4))))).astype(np.float32)
+  e4m3 = (groups / scale[..., None]).astype(ml_dtypes.float8_e4m3fn).reshape(x.shape[:-1] + (DN,))
+  rope = np.asarray(kv_bf16)[..., DN:].astype(ml_dtypes.bfloat16)
+  return np.concatenate([e4m3.view(np.uint8), scale.astype("<f4").view(np.uint8).reshape(x.shape[:-1] + (16,)),
+                         rope.view(np.uint8).reshape(x.shape[:-1] + (128,))], axis=-1)
+
+
+def test_pow2_rows_equal_the_reference_quantiser_bytes():
+  """Interoperability: the pow2 rows are byte for byte what FlashMLA's
+  reference quantiser writes for a bf16 cache, tiny and all-zero groups
+  included, so caches in that layout are read and written as they are."""
+  kv = latent(20, shape=(64, 16))
+  kv[..., 128:256] *= 1e-4       # groups below the 1e-4 floor
+  kv[3, 5, :DN] = 0.0            # an all-zero token
+  kv = jnp.asarray(kv, jnp.bfloat16)
+  ours = quantize_on(jax.devices()[0], kv, "pow2")
+  want = _reference_rows(kv)
+  assert ours.shape == want.shape == (64, 16, 656)
+  np.testing.assert_array_equal(ours, want)
+
+
 def test_scale_bytes_known_values():
   kv = np.zeros((1, 1, D), np.float32)
   kv[0, 0, 0] = 448.0          # group 0: amax 448 -> scale 1.0
   kv[0, 0, 128] = -3 * 448.0   # group 1: 3.0 (arbitrary) / 4.0 (pow2)
   kv[0, 0, 256] = 0.5 * 448.0  # group 2: 0.5 exactly (a power of two already)
-  # group 3: all zero -> 1.0
-  for fmt, want in [("arbitrary", [1.0, 3.0, 0.5, 1.0]), ("pow2", [1.0, 4.0, 0.5, 1.0])]:
+  # group 3: all zero -> 1.0 (arbitrary), 2^-13 (pow2: the 1e-4 floor)
+  for fmt, want in [("arbitrary", [1.0, 3.0, 0.5, 1.0]), ("pow2", [1.0, 4.0, 0.5, 2.0**-13])]:
     q = quantize_on(exact_device(fmt), kv, fmt)
     np.testing.assert_array_equal(q[0, 0, 512:528], np.array(want, "<f4").view(np.uint8))
   q = quantize_on(jax.devices("cpu")[0], kv, "arbitrary")
@@ -104,14 +131,14 @@ def test_scale_bytes_known_values():
 def test_pow2_scale_boundaries():
   """amax exactly 448 * 2^k gives 2^k; one ulp more gives 2^(k+1) (on every device)."""
   kv = np.zeros((6, D), np.float32)
-  for i, k in enumerate([-20, -3, 0, 1, 5, 40]):
+  for i, k in enumerate([-13, -3, 0, 1, 5, 40]):
     kv[i, 0] = np.float32(448.0 * 2.0**k)
     kv[i, 128] = np.nextafter(np.float32(448.0 * 2.0**k), np.float32(np.inf))
     kv[i, 256] = np.nextafter(np.float32(448.0 * 2.0**k), np.float32(0))
   q = quantize_on(jax.devices()[0], kv, "pow2")
   s = np.ascontiguousarray(q[..., 512:528]).view("<f4")
-  for i, k in enumerate([-20, -3, 0, 1, 5, 40]):
-    assert s[i].tolist() == [2.0**k, 2.0**(k + 1), 2.0**k, 1.0], (k, s[i])
+  for i, k in enumerate([-13, -3, 0, 1, 5, 40]):
+    assert s[i].tolist() == [2.0**k, 2.0**(k + 1), 2.0**k, 2.0**-13], (k, s[i])
   d = dequantize_latent_fp8_np(q)
   np.testing.assert_array_equal(d[:, 0], kv[:, 0])   # 448 * 2^k is exact in e4m3 * 2^k
 
@@ -141,7 +168,7 @@ def test_pow2_scales_are_rounded_up_powers_of_two():
   s = np.ascontiguousarray(q[..., 512:528]).view("<f4").astype(np.float64)
   mant, _ = np.frexp(s)
   assert np.all(mant == 0.5), "pow2 scales must be powers of two"
-  exact = expected_scales(kv, "arbitrary").astype(np.float64)
+  exact = np.maximum(expected_scales(kv, "arbitrary").astype(np.float64), 1e-4)
   assert np.all(s >= exact) and np.all(s < 2 * exact)
 
 
@@ -191,8 +218,9 @@ def test_zero_groups_and_tokens():
     assert np.all(np.isfinite(d))
     assert np.all(d[0, 0] == 0) and np.all(d[1, 2, 128:256] == 0)
     s = np.ascontiguousarray(np.asarray(q)[..., 512:528]).view("<f4")
-    assert s[0, 0].tolist() == [1.0] * 4 and s[1, 2, 1] == 1.0
-    assert s[1, 3].tolist() == [1.0] * 4 and np.all(d[1, 3, :DN] == 0)
+    empty = 1.0 if fmt == "arbitrary" else 2.0**-13
+    assert s[0, 0].tolist() == [empty] * 4 and s[1, 2, 1] == empty
+    assert s[1, 3].tolist() == [empty] * 4 and np.all(d[1, 3, :DN] == 0)
     assert np.all(s > 0) and np.all(np.isfinite(s))
 
 
