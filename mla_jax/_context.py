@@ -62,7 +62,8 @@ def merge_states_over_axis(out, lse, axis_name):
 
     lse = ln(sum_r e^lse_r),   out = sum_r e^(lse_r - lse) out_r
 
-  computed in float32 against the largest LSE. Exact for devices that hold
+  computed in float32 against the largest LSE (the split-KV combine of
+  FlashDecoding, Dao et al. 2023, over devices). Exact for devices that hold
   none of the keys (lse -inf, whatever their out holds); all empty gives
   out 0, lse -inf; a NaN lse on any device gives NaN. Two all-reduces of
   lse's shape and one of out's move between the devices.
@@ -74,6 +75,9 @@ def merge_states_over_axis(out, lse, axis_name):
 
   Returns:
     ``(out, lse)``: out in out's dtype, lse float32.
+
+  Raises:
+    ValueError: lse's shape is not out's without its last axis.
   """
   if out.ndim < 1 or lse.shape != out.shape[:-1]:
     raise ValueError(f"lse: expected shape {tuple(out.shape[:-1])} (out without its last axis), "

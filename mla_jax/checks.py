@@ -8,6 +8,8 @@ import numpy as np
 from jax.experimental import checkify
 
 from ._inputs import normalize
+from ._ragged import ragged_requests
+from .paged_decode import ragged_inputs
 from .plan import DecodePlan
 from .xla_reference import bad_live_pages, capacity
 
@@ -45,7 +47,6 @@ def check_inputs(query, kv_cache, block_table, seq_lens, *, plan: DecodePlan, kv
   block_table, seq_lens = _canonical(block_table), _canonical(seq_lens)
   kv_scale = None if kv_scale is None else _canonical(kv_scale)
   if cu_seqlens_q is not None:
-    from .paged_decode import ragged_inputs  # pylint: disable=g-import-not-at-top  (imports this module's deps)
     inputs, cu, tokens = ragged_inputs(query, kv_cache, block_table, seq_lens, _canonical(cu_seqlens_q), plan,
                                        kv_scale)
     err, _ = jax.jit(checkify.checkify(lambda cu: _check_ragged(cu, tokens, plan.q_len)))(cu)
@@ -85,7 +86,6 @@ def check_inputs(query, kv_cache, block_table, seq_lens, *, plan: DecodePlan, kv
 
 def _check_ragged(cu, tokens: int, q_len: int):
   """The first request of cu_seqlens_q that paged_decode drops or turns into NaN."""
-  from ._ragged import ragged_requests  # pylint: disable=g-import-not-at-top
   batch = cu.shape[0] - 1
   if batch == 0:
     return

@@ -11,7 +11,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from . import _context, _ffi, _op, _ragged, _sharding, kernels
-from ._inputs import DecodeInputs, _as_array, normalize, normalize_query
+from ._inputs import DecodeInputs, _as_array, _check_dtype, normalize, normalize_query
 from .plan import DecodePlan
 from .xla_reference import paged_decode_xla
 
@@ -125,8 +125,7 @@ def _ragged_query(query, plan: DecodePlan):
 
 def _check_cu_seqlens(cu_seqlens_q, block_table):
   cu = _as_array("cu_seqlens_q", cu_seqlens_q)
-  if jnp.dtype(cu.dtype) != jnp.dtype(jnp.int32):
-    raise TypeError(f"cu_seqlens_q: expected dtype int32, got {jnp.dtype(cu.dtype)}")
+  _check_dtype("cu_seqlens_q", cu, (jnp.dtype(jnp.int32),))
   b = np.shape(block_table)[0] if len(np.shape(block_table)) == 2 else None
   if len(np.shape(cu)) != 1 or (b is not None and np.shape(cu)[0] != b + 1):
     raise ValueError(f"cu_seqlens_q: expected shape ({b} + 1,) (block_table's batch + 1), got {np.shape(cu)}")

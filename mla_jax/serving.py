@@ -171,8 +171,8 @@ def _greedy(lg):
 
 
 def ngram_drafter(tokens, k: int, max_ngram: int = 3) -> list:
-  """Up to k draft tokens by prompt lookup: the tokens that followed the
-  latest earlier occurrence of the longest suffix (max_ngram down to 1
+  """Up to k draft tokens by prompt lookup (n-gram speculative decoding):
+  the tokens that followed the latest earlier occurrence of the longest suffix (max_ngram down to 1
   tokens) of ``tokens``; none when no suffix recurs."""
   if k <= 0:
     return []
@@ -305,12 +305,8 @@ class Engine:
     counts = state.active.astype(np.int32)
     self._reserve(state, counts)
     new_lens = np.where(state.active, state.seq_lens + 1, 0).astype(np.int32)
-    t0 = time.perf_counter()
-    state.cache, (nxt, margin) = self._step(self.params, state.cache, jnp.asarray(state.tokens),
-                                            jnp.asarray(state.block_table), jnp.asarray(new_lens))
-    nxt, margin = (np.asarray(a) for a in jax.device_get((nxt, margin)))
-    self.timings["step_s"].append(time.perf_counter() - t0)
-    self.timings["steps"] += 1
+    nxt, margin = self._timed_step(state, self._step, jnp.asarray(state.tokens), jnp.asarray(state.block_table),
+                                   jnp.asarray(new_lens))
     state.seq_lens = np.where(state.active, new_lens, state.seq_lens).astype(np.int32)
     state.tokens = np.where(state.active, nxt, state.tokens).astype(np.int32)
     return state, nxt, margin
@@ -319,11 +315,20 @@ class Engine:
     """One speculative step: each active slot's last token and its drafted
     tokens (``drafts[slot]``, at most ``draft_tokens``) run as one ragged
     query; the longest prefix of drafts the model itself would have produced
-    (greedy) is accepted, plus the model's next token after it. Returns the
+    (greedy) is accepted, plus the model's next token after it (greedy
+    speculative decoding, Leviathan et al. 2023, "Fast Inference from
+    Transformers via Speculative Decoding"). Returns the
     state and, per slot, the emitted tokens (1 to 1 + its drafts; empty for
     an inactive slot) and their margins. The cache keeps the accepted
     tokens; the rejected ones' latents lie past ``seq_lens`` and are
-    overwritten later."""
+    overwritten later.
+
+    Raises:
+      RuntimeError: the engine has draft_tokens=0, a request would pass
+        max_pages_per_seq * page_size tokens, or the pool is out of pages.
+      ValueError: more drafts than draft_tokens, or token ids outside the
+        vocabulary.
+    """
     if self.draft_tokens == 0:
       raise RuntimeError("verify: this engine was built with draft_tokens=0")
     drafts = [list(drafts[k]) if state.active[k] else [] for k in range(self.max_slots)]
@@ -342,13 +347,8 @@ class Engine:
       tokens[cu[k]:cu[k + 1]] = [state.tokens[k]] + drafts[k]
       positions[cu[k]:cu[k + 1]] = state.seq_lens[k] + np.arange(counts[k])
     new_lens = (state.seq_lens + counts).astype(np.int32)
-    t0 = time.perf_counter()
-    state.cache, (nxt, margin) = self._verify_step(self.params, state.cache, jnp.asarray(tokens),
-                                                   jnp.asarray(positions), jnp.asarray(cu),
-                                                   jnp.asarray(state.block_table), jnp.asarray(new_lens))
-    nxt, margin = (np.asarray(a) for a in jax.device_get((nxt, margin)))
-    self.timings["step_s"].append(time.perf_counter() - t0)
-    self.timings["steps"] += 1
+    nxt, margin = self._timed_step(state, self._verify_step, jnp.asarray(tokens), jnp.asarray(positions),
+                                   jnp.asarray(cu), jnp.asarray(state.block_table), jnp.asarray(new_lens))
     self.timings["query_lens"].append(counts[state.active].tolist())
     emitted, margins = [[] for _ in range(self.max_slots)], [[] for _ in range(self.max_slots)]
     for k in np.flatnonzero(counts):
@@ -363,6 +363,16 @@ class Engine:
       state.seq_lens[k] += 1 + a
       state.tokens[k] = model[a]
     return state, emitted, margins
+
+  def _timed_step(self, state: DecodeState, step, *args):
+    """Runs a jitted step on state.cache (donated) and returns its host
+    (tokens, margins), recording the step's wall time."""
+    t0 = time.perf_counter()
+    state.cache, out = step(self.params, state.cache, *args)
+    nxt, margin = (np.asarray(a) for a in jax.device_get(out))
+    self.timings["step_s"].append(time.perf_counter() - t0)
+    self.timings["steps"] += 1
+    return nxt, margin
 
   def _reserve(self, state: DecodeState, counts) -> None:
     """Pages for positions seq_lens .. seq_lens + counts - 1 of every slot;
