@@ -120,13 +120,19 @@ def main(argv=None) -> int:
       row["step_speedup_auto_over_xla"] = row["xla"]["step_ms"] / row["auto"]["step_ms"]
     rows.append(row)
     sys.stdout.flush()
+    # After every shape, so that a run cut short keeps what it measured.
+    if args.out:
+      write_results(args.out, dict(meta, complete=len(rows) == len(shapes), rows=rows))
   if args.out:
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(dict(meta, rows=rows), indent=1))
-    os.replace(tmp, args.out)
     print(f"wrote {args.out}")
   return 0
+
+
+def write_results(path: Path, results: dict):
+  path.parent.mkdir(parents=True, exist_ok=True)
+  tmp = path.with_suffix(".tmp")
+  tmp.write_text(json.dumps(results, indent=1))
+  os.replace(tmp, path)
 
 
 if __name__ == "__main__":

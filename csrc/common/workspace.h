@@ -2,12 +2,17 @@
 // handler's scratch result, carved into regions by workspace_layout().
 //
 // Every region's size is affine in the number of kernel requests R (B for
-// paged decode, B * q_len for sparse decode), and the regions whose sizes
-// are multiples of 16 bytes come first, so the total is exactly
-// per_request_bytes * R + fixed_bytes with no padding that depends on R.
-// That lets Python size the buffer for a symbolic batch (jax.export) from
-// the same two numbers (bound in ffi/module.cc) that the handler uses to
-// find the regions again. Plain C++: compiled into every build.
+// paged decode, B * q_len for sparse decode), and the regions go in order of
+// the alignment they need, each size a multiple of it, so the total is
+// exactly per_request_bytes * R + fixed_bytes with no padding that depends
+// on R. That lets Python size the buffer for a symbolic batch (jax.export)
+// from the same two numbers (bound in ffi/module.cc) that the handler uses
+// to find the regions again. Plain C++: compiled into every build.
+//
+// The partial outputs come first, at the buffer's own alignment (XLA aligns
+// buffers to at least 128 bytes): the decode kernels write them and the
+// combine reads them in whole 128-byte lines only when a row starts on a
+// line, which an offset of a few small regions would break.
 #pragma once
 
 #include <cstdint>
@@ -43,10 +48,12 @@ MLA_HOST_DEVICE constexpr WorkspaceLayout workspace_layout(int64_t requests, int
   const int64_t row_blocks = (rows + 63) / 64;
   w.max_items = requests + parts;
   w.item_regions = static_cast<int>(row_blocks);
-  w.part_begin = 0;
-  w.items = round_up_16((parts + 1) * 4);                  // fixed, padded to 16
-  w.out_accum = w.items + w.max_items * row_blocks * 16;   // 16 bytes per item and region
-  w.request_meta = w.out_accum + w.max_items * rows * dv * 4;
+  // dv is a multiple of 4 (512 on the CUDA path), so every region below
+  // starts on 16 bytes; out_accum rows of 2 KB keep 128-byte lines whole.
+  w.out_accum = 0;
+  w.items = w.out_accum + w.max_items * rows * dv * 4;
+  w.part_begin = w.items + w.max_items * row_blocks * 16;  // 16 bytes per item and region
+  w.request_meta = w.part_begin + round_up_16((parts + 1) * 4);  // fixed, padded to 16
   w.lse_accum = w.request_meta + requests * 8;
   w.total = w.lse_accum + w.max_items * rows * 4;
   return w;
