@@ -98,6 +98,12 @@ def paged_decode_xla(inputs: DecodeInputs, plan: DecodePlan):
   probs = jnp.exp(scores - jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None])
   out = jnp.einsum("bqhn,bnd->bqhd", probs.astype(compute), k_nope,
                    preferred_element_type=jnp.float32) * kv_scale
+  # The validity select below stays out of the PV matmul's fusion: XLA's GPU
+  # compiler (jax 0.11) fused it into a Triton GEMM epilogue and rejected the
+  # program it made of it when every dimension of the validity chain is 1
+  # (one request, a one-column block table): "Expected instruction to have
+  # shape equal to pred[], actual shape is pred[1]".
+  out = jax.lax.optimization_barrier(out)
 
   out = jnp.where(valid[..., None], out, jnp.nan)
   lse = jnp.where(valid, lse, jnp.nan)

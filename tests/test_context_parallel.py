@@ -242,7 +242,7 @@ def test_ragged_query_with_context_parallelism():
     plan = mla_jax.DecodePlan(num_heads=heads, page_size=4, q_len=4, sm_scale=0.1, backend="cpu")
     f = jax.jit(lambda q, kv, bt, sl, cu: mla_jax.paged_decode(q, kv, bt, sl, plan=plan, cu_seqlens_q=cu,
                                                                return_lse=True))
-    want = f(q, kv, d["block_table"], d["seq_lens"], cu)
+    want = f(*jax.device_put((q, kv, d["block_table"], d["seq_lens"], cu), CPU[0]))
     mesh = jax.make_mesh((8,), ("cp",), axis_types=(AxisType.Auto,), devices=CPU[:8])
     put = lambda x, *s: jax.device_put(x, NamedSharding(mesh, P(*s)))
     got = f(put(q), put(kv, "cp"), put(d["block_table"]), put(d["seq_lens"]), put(cu))

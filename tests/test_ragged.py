@@ -21,6 +21,20 @@ from mla_jax.testing import random_paged_inputs, reference_paged_decode
 BACKENDS = ["auto", "cpu", "xla", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
+@pytest.fixture(autouse=True)
+def _cpu_kernel_on_a_cpu_device(request):
+  """Backend "cpu" is the C++ CPU kernel, which runs on a CPU device only:
+  its cases (a backend parameter "cpu", or none: those tests plan "cpu")
+  make and run their arrays there, also on a GPU host."""
+  spec = getattr(request.node, "callspec", None)
+  backend = spec.params.get("backend", "cpu") if spec is not None else "cpu"
+  if backend != "cpu":
+    yield
+    return
+  with jax.default_device(jax.devices("cpu")[0]):
+    yield
+
+
 def _case(seed, counts, lens, num_heads, page_size=16, spare_rows=2, dtype=jnp.bfloat16):
   rng = np.random.default_rng(seed)
   d = random_paged_inputs(rng, lens, num_heads=num_heads, page_size=page_size)
@@ -77,8 +91,8 @@ def test_matches_per_request_reference(backend, heads, causal):
   _check(got, _reference(query, kv, bt, sl, cu, plan))
 
 
-@pytest.mark.parametrize("seed", range(12))
-def test_random_ragged_cases(seed):
+@pytest.mark.parametrize("seed,backend", [(s, ["cpu", "xla", "auto"][s % 3]) for s in range(12)])
+def test_random_ragged_cases(seed, backend):
   rng = np.random.default_rng(100 + seed)
   b = int(rng.integers(1, 9))
   q_len = int(rng.choice([1, 2, 3, 8]))
@@ -86,7 +100,6 @@ def test_random_ragged_cases(seed):
   page_size = int(rng.choice([1, 4, 16, 64]))
   counts = rng.integers(0, q_len + 1, size=b)
   lens = rng.integers(0, 200, size=b)
-  backend = ["cpu", "xla", "auto"][seed % 3]
   query, kv, bt, sl, cu = _case(seed, counts, lens, heads, page_size=page_size,
                                 spare_rows=int(rng.integers(0, 3)))
   plan = _plan(backend, heads, q_len, causal=bool(seed % 2), page_size=page_size)

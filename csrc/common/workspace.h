@@ -1,18 +1,17 @@
 // The split-KV workspace: one byte buffer that XLA allocates as the CUDA
 // handler's scratch result, carved into regions by workspace_layout().
 //
-// Every region's size is affine in the number of kernel requests R (B for
-// paged decode, B * q_len for sparse decode), and the regions go in order of
-// the alignment they need, each size a multiple of it, so the total is
-// exactly per_request_bytes * R + fixed_bytes with no padding that depends
-// on R. That lets Python size the buffer for a symbolic batch (jax.export)
-// from the same two numbers (bound in ffi/module.cc) that the handler uses
-// to find the regions again. Plain C++: compiled into every build.
-//
-// The partial outputs come first, at the buffer's own alignment (XLA aligns
-// buffers to at least 128 bytes): the decode kernels write them and the
-// combine reads them in whole 128-byte lines only when a row starts on a
-// line, which an offset of a few small regions would break.
+// Every region starts on a 128-byte line, as a buffer of its own would (XLA
+// aligns buffers to at least 128 bytes): the decode kernels write partial
+// outputs and LSEs and the combine reads them, and a row that starts inside
+// a line costs an extra sector or line per access. Each region's size is
+// its count (items or requests) times a per-unit size rounded up to 128
+// bytes, plus a fixed part rounded up to 128, so offsets stay on lines and
+// the total is exactly per_request_bytes * R + fixed_bytes for R kernel
+// requests (B for paged decode, B * q_len for sparse decode). That lets
+// Python size the buffer for a symbolic batch (jax.export) from the same two
+// numbers (bound in ffi/module.cc) that the handler uses to find the regions
+// again. Plain C++: compiled into every build.
 #pragma once
 
 #include <cstdint>
@@ -28,34 +27,38 @@ constexpr int kMaxSupportedSmCount = 160;
 
 // Byte offsets of the regions for R requests (see DecodeWorkspace).
 struct WorkspaceLayout {
-  int64_t part_begin = 0;    // int32 [parts + 1]
-  int64_t items = 0;         // int32 [item_regions * max_items, 4]
   int64_t out_accum = 0;     // float [max_items, rows, dv]
-  int64_t request_meta = 0;  // int32 [R, 2]
   int64_t lse_accum = 0;     // float [max_items, rows]
+  int64_t items = 0;         // int32 [item_regions * max_items, 4]
+  int64_t request_meta = 0;  // int32 [R, 2]
+  int64_t part_begin = 0;    // int32 [parts + 1]
   int64_t total = 0;
   int64_t max_items = 0;     // R + parts: the scheduler never makes more items
   int item_regions = 1;      // one items region per 64-row block
 };
 
-MLA_HOST_DEVICE constexpr int64_t round_up_16(int64_t x) { return (x + 15) / 16 * 16; }
+constexpr int64_t kWorkspaceAlign = 128;  // bytes: one L2 line
+
+MLA_HOST_DEVICE constexpr int64_t round_up_line(int64_t x) {
+  return (x + kWorkspaceAlign - 1) / kWorkspaceAlign * kWorkspaceAlign;
+}
 
 // rows: query rows per kernel request; dv: output width (512 for the CUDA
 // kernels); parts: the most persistent partitions the schedule may use.
+// A region may be larger than its contents (rounded per unit); the kernels
+// index each region from its start as the comments above lay it out.
 MLA_HOST_DEVICE constexpr WorkspaceLayout workspace_layout(int64_t requests, int64_t rows, int64_t dv,
                                                            int64_t parts) {
   WorkspaceLayout w;
   const int64_t row_blocks = (rows + 63) / 64;
   w.max_items = requests + parts;
   w.item_regions = static_cast<int>(row_blocks);
-  // dv is a multiple of 4 (512 on the CUDA path), so every region below
-  // starts on 16 bytes; out_accum rows of 2 KB keep 128-byte lines whole.
   w.out_accum = 0;
-  w.items = w.out_accum + w.max_items * rows * dv * 4;
-  w.part_begin = w.items + w.max_items * row_blocks * 16;  // 16 bytes per item and region
-  w.request_meta = w.part_begin + round_up_16((parts + 1) * 4);  // fixed, padded to 16
-  w.lse_accum = w.request_meta + requests * 8;
-  w.total = w.lse_accum + w.max_items * rows * 4;
+  w.lse_accum = w.out_accum + w.max_items * round_up_line(rows * dv * 4);
+  w.items = w.lse_accum + w.max_items * round_up_line(rows * 4);
+  w.request_meta = w.items + w.max_items * round_up_line(row_blocks * 16);  // 16 bytes per item and region
+  w.part_begin = w.request_meta + requests * round_up_line(8);
+  w.total = w.part_begin + round_up_line((parts + 1) * 4);
   return w;
 }
 
@@ -68,6 +71,20 @@ MLA_HOST_DEVICE constexpr WorkspaceSize workspace_size(int64_t rows, int64_t dv,
   const int64_t fixed = workspace_layout(0, rows, dv, parts).total;
   return {workspace_layout(1, rows, dv, parts).total - fixed, fixed};
 }
+
+// The invariants above, checked at compile time on a few shapes (1 to 128
+// query rows per request).
+constexpr bool line_aligned(const WorkspaceLayout& w) {
+  return w.lse_accum % kWorkspaceAlign == 0 && w.items % kWorkspaceAlign == 0 &&
+         w.request_meta % kWorkspaceAlign == 0 && w.part_begin % kWorkspaceAlign == 0 &&
+         w.total % kWorkspaceAlign == 0;
+}
+static_assert(line_aligned(workspace_layout(1, 1, 512, 132)) && line_aligned(workspace_layout(7, 3, 512, 160)) &&
+                  line_aligned(workspace_layout(5, 12, 512, 132)) && line_aligned(workspace_layout(128, 128, 512, 66)),
+              "every workspace region starts on a line");
+static_assert(workspace_layout(9, 12, 512, 132).total ==
+                  9 * workspace_size(12, 512, 132).per_request + workspace_size(12, 512, 132).fixed,
+              "the workspace size is affine in the requests");
 
 // Persistent KV partitions for a request of `rows` query rows: one per
 // group of SMs that together run all of its 64-row blocks, at most the
