@@ -85,6 +85,7 @@ def main(argv=None) -> int:
   p.add_argument("--hidden", type=int, default=1024, help="model width (the MLA projections' input)")
   p.add_argument("--backends", nargs="+", default=["auto", "xla"], choices=("auto", "cuda", "cpu", "xla"))
   p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+  p.add_argument("--commit", default=None, help="git commit to record (default: git rev-parse HEAD)")
   args = p.parse_args(argv)
 
   import jax
@@ -92,7 +93,7 @@ def main(argv=None) -> int:
   shapes = SMOKE if args.smoke else FULL
   dev = jax.devices()[0]
   meta = dict(what="mla_jax.serving Engine decode step: kernels against the XLA attention path",
-              device=f"{getattr(dev, 'device_kind', dev.platform)} ({dev.platform})", commit=git_commit(),
+              device=f"{getattr(dev, 'device_kind', dev.platform)} ({dev.platform})", commit=args.commit or git_commit(),
               date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               jax_version=jax.__version__, mla_jax_file=mla_jax.__file__, page_size=PAGE_SIZE, hidden=args.hidden,
               method=("per backend: Engine.attention_share(seq_len=context): the jitted decode step (cache "
