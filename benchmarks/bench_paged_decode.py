@@ -12,7 +12,11 @@ sm_scale 1/sqrt(192), causal for q_len > 1) and, for each, times
 checks each result on a few requests against the float64 NumPy reference
 (``mla_jax.testing.reference_paged_decode``), and reports µs, TFLOP/s, GB/s,
 the share of the copy/matmul ceilings measured in the same run, the ratio to
-XLA, and the ratio to FlashMLA's published H200 figure (anchors file).
+XLA, and the ratio to FlashMLA: timed in this process on the same arrays when
+torch and flash_mla are importable (benchmarks/flashmla_peer.py), else its
+figure from the anchors file of another session (marked as such).
+block_table and seq_lens reach every execution as fresh host buffers, as in a
+serving step (--resident-metadata keeps them on the device).
 
 Timing method (JAX has no public CUDA-event API): one jitted
 program runs the op n times back to back. Call i reads its own query copy
@@ -398,8 +402,15 @@ def check_subset(out_lse, q0, cache0, bt, seq, plan, idx):
   return dict(relerr=rel, lse_maxabs=dl, status="ok" if ok else "FAIL", checked=idx)
 
 
-def run_backend(plan, data, n_lo, n_hi, reps, counts, ceil, target=None, device_time=False):
-  """Times one backend on one row; returns a JSON-able dict."""
+def run_backend(plan, data, n_lo, n_hi, reps, counts, ceil, target=None, device_time=False,
+                fresh_metadata=True):
+  """Times one backend on one row; returns a JSON-able dict.
+
+  fresh_metadata: block_table and seq_lens go in as host arrays, so every
+  execution receives them in new device buffers, as a serving step does
+  (XLA then updates any command buffer that holds the calls); otherwise they
+  stay resident on the device.
+  """
   import mla_jax
   qs, caches, bt_d, sl_d, bt, seq, idx = data
 
@@ -407,11 +418,11 @@ def run_backend(plan, data, n_lo, n_hi, reps, counts, ceil, target=None, device_
     block_table, seq_lens = shared
     return mla_jax.paged_decode(q, cache, block_table, seq_lens, plan=plan, return_lse=True)
 
-  args = (tuple(qs[:n_hi]), tuple(caches), (bt_d, sl_d))
+  args = (tuple(qs[:n_hi]), tuple(caches), (bt, seq) if fresh_metadata else (bt_d, sl_d))
   lo, c_lo = compile_prog(chain_program(step, n_lo, len(caches)), *args)
   hi, c_hi = compile_prog(chain_program(step, n_hi, len(caches)), *args)
   res = dict(backend=plan.backend, n_lo=n_lo, n_hi=n_hi, reps=reps,
-             compile_s=round(c_lo + c_hi, 3))
+             compile_s=round(c_lo + c_hi, 3), fresh_metadata=fresh_metadata)
   if target:  # the op must appear once per call: detects merged (CSE'd) calls
     try:
       k = hi.as_text().count(f'custom_call_target="{target}"')
@@ -459,7 +470,7 @@ def _normal_bf16(shape):
   return jax.jit(lambda k: jax.random.normal(k, shape, jnp.bfloat16))
 
 
-def bench_row(i, row, args, ceil, anchors, primary, target, t_start):
+def bench_row(i, row, args, ceil, anchors, primary, target, t_start, peer=None):
   import jax
   import jax.numpy as jnp
   from mla_jax import DecodePlan
@@ -532,7 +543,7 @@ def bench_row(i, row, args, ceil, anchors, primary, target, t_start):
   # Primary backend (what users get).
   try:
     rec["mla"] = run_backend(mk(args.backend), data, n_lo, n_hi, reps, counts, ceil, target,
-                             device_time=args.device_time)
+                             device_time=args.device_time, fresh_metadata=not args.resident_metadata)
   except Exception as e:  # noqa: BLE001 - keep going, report the failure
     rec["mla"] = dict(backend=args.backend, error=f"{type(e).__name__}: {str(e)[:400]}",
                       status="ERROR")
@@ -541,24 +552,45 @@ def bench_row(i, row, args, ceil, anchors, primary, target, t_start):
     rec["xla"] = xla_skip
   else:
     try:
-      rec["xla"] = run_backend(mk("xla"), data, x_lo, x_hi, x_reps, counts, ceil)
+      rec["xla"] = run_backend(mk("xla"), data, x_lo, x_hi, x_reps, counts, ceil,
+                               fresh_metadata=not args.resident_metadata)
     except Exception as e:  # noqa: BLE001
       rec["xla"] = dict(backend="xla", error=f"{type(e).__name__}: {str(e)[:400]}", status="ERROR")
+
+  # FlashMLA in this process, on the same arrays and call counts.
+  fr = {}
+  if peer is not None:
+    try:
+      fr = peer.dense_decode(qs, caches, bt, seq, causal=row.causal, sm_scale=SM_SCALE, n_lo=n_lo,
+                             n_hi=n_hi, reps=reps)
+      fr.update(check_subset(fr.pop("result"), qs[0], caches[0], bt, seq, mk("xla"), idx))
+    except Exception as e:  # noqa: BLE001 - the peer's failure is a result, not the benchmark's
+      fr = dict(error=f"{type(e).__name__}: {str(e)[:400]}", status="ERROR")
+    rec["flashmla_same_run"] = fr
 
   m, x = rec["mla"], rec["xla"]
   if "us" in m and "us" in x:
     rec["xla_over_mla"] = x["us"] / m["us"]
   key = (row.b, row.q, row.h, row.sk, row.varlen)
   fm = anchors["flashmla"].get(key)
-  if fm and not args.smoke:
+  if "us" in fr:
+    rec["flashmla"] = dict(source="same_run", us=fr["us"], us_scaled_to_our_sum_seq=fr["us"])
+  elif fm and not args.smoke:
     # Σseq-normalised FlashMLA time (identical to raw for fixed-length rows).
     fm_scaled = fm["us"] * sum_seq / fm["sum_seq"]
-    rec["flashmla"] = dict(us=fm["us"], sum_seq=fm["sum_seq"], us_scaled_to_our_sum_seq=fm_scaled,
-                           relerr=fm["relerr"])
+    rec["flashmla"] = dict(source="anchor", us=fm["us"], sum_seq=fm["sum_seq"],
+                           us_scaled_to_our_sum_seq=fm_scaled, relerr=fm["relerr"])
+  if "flashmla" in rec:
+    ref_us = rec["flashmla"]["us_scaled_to_our_sum_seq"]
     if "us" in m:
-      rec["mla_over_flashmla"] = m["us"] / fm_scaled
+      rec["mla_over_flashmla"] = m["us"] / ref_us
     if "us_device" in m:
-      rec["mla_device_over_flashmla"] = m["us_device"] / fm_scaled
+      rec["mla_device_over_flashmla"] = m["us_device"] / ref_us
+  # The flat summary of the results format (issue 24): user-level per-call time, its GPU
+  # time, the host time the GPU does not hide (their difference), the peer, the XLA path.
+  rec.update(kind="dense_bf16", seq=row.sk, mla_jax_us=m.get("us"), mla_jax_gpu_us=m.get("us_device"),
+             host_us=m["us"] - m["us_device"] if "us" in m and "us_device" in m else None,
+             flashmla_us=fr.get("us"), flashmla_dobench_us=fr.get("us_dobench"), xla_us=x.get("us"))
   xa = anchors["xla_einsum"].get(key)
   if xa and not args.smoke:
     rec["xla_einsum_anchor_us"] = xa
@@ -618,8 +650,10 @@ def table(meta, rows):
         f"{_ratio(r.get('xla_over_mla'), 7)}{_f(fm.get('us_scaled_to_our_sum_seq'), '.1f', 8)}"
         f"{_ratio(r.get('mla_over_flashmla'), 7)}{_f(m.get('us_device'), '.1f', 8)}"
         f"{_ratio(r.get('mla_device_over_flashmla'), 7)}{_f(m.get('relerr'), '.1e', 8)}  {st}")
-  lines.append("xla/us: XLA-backend time / mla_jax time (same run). FMLA: FlashMLA anchor us "
-               "(do_bench, L2 flushed); us/FM: mla_jax / FlashMLA (>1 = slower)")
+  same = any(r.get("flashmla", {}).get("source") == "same_run" for r in rows)
+  lines.append("xla/us: XLA-backend time / mla_jax time (same run). FMLA: FlashMLA us, " +
+               ("CUDA-graph replay in this process" if same else "anchor from another session (do_bench, "
+                "L2 flushed)") + "; us/FM: mla_jax / FlashMLA (>1 = slower)")
   for key, label in (("mla_over_flashmla", "us/FM"), ("mla_device_over_flashmla", "dv/FM")):
     vals = [r[key] for r in rows if (r.get(key) or 0) > 0]
     if vals:
@@ -730,6 +764,11 @@ def main(argv=None):
   p.add_argument("--backend", default="auto", choices=("auto", "cuda", "cpu", "xla"),
                  help="backend of the timed mla_jax op (default auto)")
   p.add_argument("--no-xla", action="store_true", help="skip the xla-backend baseline")
+  p.add_argument("--flashmla", default="auto", choices=("auto", "off"),
+                 help="time FlashMLA in this process when torch and flash_mla are importable (auto)")
+  p.add_argument("--resident-metadata", action="store_true",
+                 help="keep block_table/seq_lens on the device between executions (default: fresh "
+                      "host buffers every execution, as a serving step sends them)")
   p.add_argument("--kernel", default="auto", choices=("auto", "portable", "sm90_lockstep", "sm90_seesaw"),
                  help="DecodePlan.kernel of the timed op (default auto); see mla_jax.explain")
   p.add_argument("--anchors", default=None,
@@ -769,6 +808,9 @@ def main(argv=None):
     return 0
 
   t_start = time.perf_counter()
+  if args.flashmla != "off":
+    # torch shares the GPU with JAX here: JAX must not take 75 % of its memory up front.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
   import jax
   import jaxlib
   import mla_jax
@@ -810,12 +852,33 @@ def main(argv=None):
               "of n_lo/n_hi calls serialised by optimization_barrier; call i reads its own query "
               "copy (no CSE) and cache copy i % R (R copies cover >= 2x L2 when one cache is "
               "small); wall clock + block_until_ready; return_lse=True. "
+              "block_table/seq_lens: " + ("resident on the device" if args.resident_metadata else
+                                          "fresh host buffers every execution") + ". "
+              "mla_jax_gpu_us: the same slope of the device spans in a profiler trace; host_us = "
+              "mla_jax_us - mla_jax_gpu_us. flashmla_us: FlashMLA in this process, CUDA graph of n calls "
+              "replayed, slope (benchmarks/flashmla_peer.py). "
               "FLOPs = 2*q*sum_seq*H*1088, bytes = (sum_seq*576 + B*q*H*1088)*2."),
       page_size=PAGE_SIZE, sm_scale=SM_SCALE, dtype="bfloat16")
 
   print(f"device {meta['device']}, jax {jax.__version__}, backend {args.backend} -> {resolved}, "
         f"{len(chosen)} rows", flush=True)
+  peer, why = (None, "--flashmla off" if args.flashmla == "off" else "not a GPU run")
+  if args.flashmla == "auto" and platform == "gpu" and not args.smoke:
+    import flashmla_peer  # beside this script
+    peer, why = flashmla_peer.load()
+  meta["flashmla_same_run"] = dict(available=peer is not None, reason=why,
+                                   version=getattr(peer, "version", None))
+  print(f"FlashMLA in this process: {'yes' if peer else 'no (' + why + ')'}", flush=True)
   ceil = measure_ceilings(args.smoke, 3 if args.smoke else 5, platform == "gpu")
+  if peer is not None:
+    # The ceilings the comparison uses: a device-to-device copy and a library bf16 matmul.
+    try:
+      ceil["torch"] = peer.ceilings()
+      ceil["bw_Bps"], ceil["mm_flops"] = ceil["torch"]["memcpy"]["bw_Bps"], ceil["torch"]["matmul"]["flops_per_s"]
+      ceil["source"] = "torch memcpy and matmul (this run)"
+    except Exception as e:  # noqa: BLE001
+      ceil["torch"] = dict(error=f"{type(e).__name__}: {str(e)[:200]}")
+  ceil.setdefault("source", "JAX x * c copy and jnp.dot (this run)" if ceil["measured"] else "partly nominal")
   meta["ceilings"] = ceil
   print(f"ceilings: copy {ceil['bw_Bps'] / 1e12:.3f} TB/s, matmul {ceil['mm_flops'] / 1e12:.1f} "
         f"TFLOP/s ({time.perf_counter() - t_start:.0f}s)", flush=True)
@@ -834,7 +897,7 @@ def main(argv=None):
       continue
     t0 = time.perf_counter()
     try:
-      rec = bench_row(i, row, args, ceil, anchors, resolved, target, t_start)
+      rec = bench_row(i, row, args, ceil, anchors, resolved, target, t_start, peer)
     except Exception as e:  # noqa: BLE001 - data generation etc.: record and go on
       rec = dict(index=i, name=row.name, b=row.b, q_len=row.q, h=row.h, sk=row.sk,
                  varlen=row.varlen, error=f"{type(e).__name__}: {str(e)[:400]}",
