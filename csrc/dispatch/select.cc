@@ -105,12 +105,14 @@ Selection select_kernel(const DecodeFacts& f, const KernelConfig& requested, std
   Selection sel;
   KernelConfig& c = sel.config;
   c = requested;
-  auto note = [&](const std::string& line) {
-    if (explain != nullptr) *explain += line + "\n";
+  // The handler calls this on every call with explain == nullptr: a line is
+  // only built (by its lambda) when it is asked for.
+  auto note = [&](auto&& line) {
+    if (explain != nullptr) *explain += line() + "\n";
   };
   auto fail = [&](const std::string& why) {
     sel.error = why;
-    note("error: " + why);
+    if (explain != nullptr) *explain += "error: " + why + "\n";
     return sel;
   };
 
@@ -134,29 +136,29 @@ Selection select_kernel(const DecodeFacts& f, const KernelConfig& requested, std
   // 1. The decode kernel.
   if (c.kernel == KernelFamily::kAuto) {
     if (!arch_known) {
-      note("kernel: auto, chosen on the device (no CUDA device was visible when the call was traced)");
+      note([&] { return std::string("kernel: auto, chosen on the device (no CUDA device was visible when the call was traced)"); });
     } else if (!sm90_device || !f.build_sm90a) {
       c.kernel = KernelFamily::kPortable;
-      note(std::string("kernel: portable (") +
+      note([&] { return std::string(std::string("kernel: portable (") +
            (!sm90_device ? "the Hopper kernels are for sm_90; this device is " + arch_str(f.arch)
-                         : std::string("this build has no sm_90a code")) + ")");
+                         : std::string("this build has no sm_90a code")) + ")"); });
     } else if (!plain16) {
       c.kernel = KernelFamily::kPortable;
-      note(f.kv_pages_contiguous
+      note([&] { return std::string(f.kv_pages_contiguous
                ? "kernel: portable (FP8 caches, e4m3 with kv_scale or fp8_ds_mla, are dequantised by the portable kernel)"
-               : "kernel: portable (the cache's pages are not laid end to end)");
+               : "kernel: portable (the cache's pages are not laid end to end)"); });
     } else if (tma) {
       c.kernel = KernelFamily::kSm90Seesaw;
-      note("kernel: sm90_seesaw (sm_90, a paged cache whose page_size is a multiple of 64: TMA loads whole "
-           "64-token tiles; " + std::to_string(rows) + " query rows per request in 64-row blocks)");
+      note([&] { return std::string("kernel: sm90_seesaw (sm_90, a paged cache whose page_size is a multiple of 64: TMA loads whole "
+           "64-token tiles; " + std::to_string(rows) + " query rows per request in 64-row blocks)"); });
     } else if (wide) {
       c.kernel = KernelFamily::kSm90Lockstep;
-      note("kernel: sm90_lockstep (sm_90, " + std::to_string(rows) + " query rows per request; the cache is "
-           "gathered row by row: " + (f.op == DecodeOp::kSparse ? "sparse indices" : "page_size below 64 or not a multiple of 64") + ")");
+      note([&] { return std::string("kernel: sm90_lockstep (sm_90, " + std::to_string(rows) + " query rows per request; the cache is "
+           "gathered row by row: " + (f.op == DecodeOp::kSparse ? "sparse indices" : "page_size below 64 or not a multiple of 64") + ")"); });
     } else {
       c.kernel = KernelFamily::kPortable;
-      note("kernel: portable (" + std::to_string(rows) + " query rows per request and a cache TMA cannot load "
-           "tile by tile: the portable kernel's " + std::to_string(portable_rows_per_cta(rows)) + "-row blocks)");
+      note([&] { return std::string("kernel: portable (" + std::to_string(rows) + " query rows per request and a cache TMA cannot load "
+           "tile by tile: the portable kernel's " + std::to_string(portable_rows_per_cta(rows)) + "-row blocks)"); });
     }
   } else {
     const bool sm90 = c.kernel == KernelFamily::kSm90Lockstep || c.kernel == KernelFamily::kSm90Seesaw;
@@ -175,7 +177,7 @@ Selection select_kernel(const DecodeFacts& f, const KernelConfig& requested, std
         return fail("kernel 'sm90_lockstep' serves more than 32 query rows per request (q_len x heads), got " +
                     std::to_string(rows));
     }
-    note(std::string("kernel: ") + family_name(c.kernel) + " (requested by the plan)");
+    note([&] { return std::string(std::string("kernel: ") + family_name(c.kernel) + " (requested by the plan)"); });
   }
 
   // 2. Who schedules the splits.
@@ -185,15 +187,15 @@ Selection select_kernel(const DecodeFacts& f, const KernelConfig& requested, std
       // decided with the kernel
     } else if (!seesaw) {
       c.schedule = ScheduleMode::kSchedulerKernel;
-      note("schedule: kernel (the scheduler kernel runs before the decode)");
+      note([&] { return std::string("schedule: kernel (the scheduler kernel runs before the decode)"); });
     } else if (requests < 0) {
-      note("schedule: auto, chosen on the device (the batch size is symbolic)");
+      note([&] { return std::string("schedule: auto, chosen on the device (the batch size is symbolic)"); });
     } else if (requests <= kInlineScheduleMaxRequests) {
       c.schedule = ScheduleMode::kInline;
-      note("schedule: inline (" + std::to_string(requests) + " requests: one warp of every decode CTA schedules)");
+      note([&] { return std::string("schedule: inline (" + std::to_string(requests) + " requests: one warp of every decode CTA schedules)"); });
     } else {
       c.schedule = ScheduleMode::kBlock;
-      note("schedule: block (" + std::to_string(requests) + " requests: every decode CTA computes the schedule)");
+      note([&] { return std::string("schedule: block (" + std::to_string(requests) + " requests: every decode CTA computes the schedule)"); });
     }
   } else {
     if (c.schedule != ScheduleMode::kSchedulerKernel && c.kernel != KernelFamily::kAuto && !seesaw)
@@ -202,13 +204,13 @@ Selection select_kernel(const DecodeFacts& f, const KernelConfig& requested, std
     if (c.schedule == ScheduleMode::kInline && requests > kInlineScheduleMaxRequests)
       return fail("schedule 'inline' serves at most " + std::to_string(kInlineScheduleMaxRequests) +
                   " requests, got " + std::to_string(requests));
-    note(std::string("schedule: ") + schedule_name(c.schedule) + " (requested by the plan)");
+    note([&] { return std::string(std::string("schedule: ") + schedule_name(c.schedule) + " (requested by the plan)"); });
   }
 
   // 3. The combine's grid: by (request, row) pairs and partitions per request.
   if (c.combine_grid == CombineGrid::kAuto) {
     if (requests < 0 || f.sm_count <= 0) {
-      note("combine grid: auto, chosen on the device (it depends on the batch size and the SM count)");
+      note([&] { return std::string("combine grid: auto, chosen on the device (it depends on the batch size and the SM count)"); });
     } else {
       const int parts = num_partitions(f.sm_count, rows, f.workspace_parts);
       const int64_t pairs = requests * rows;
@@ -219,11 +221,11 @@ Selection select_kernel(const DecodeFacts& f, const KernelConfig& requested, std
       } else {
         c.combine_grid = CombineGrid::kRows;
       }
-      note(std::string("combine grid: ") + grid_name(c.combine_grid) + " (" + std::to_string(pairs) +
-           " (request, row) pairs, " + std::to_string(parts) + " partitions)");
+      note([&] { return std::string(std::string("combine grid: ") + grid_name(c.combine_grid) + " (" + std::to_string(pairs) +
+           " (request, row) pairs, " + std::to_string(parts) + " partitions)"); });
     }
   } else {
-    note(std::string("combine grid: ") + grid_name(c.combine_grid) + " (requested by the plan)");
+    note([&] { return std::string(std::string("combine grid: ") + grid_name(c.combine_grid) + " (requested by the plan)"); });
   }
 
   // 4. Programmatic launch of the combine: worth it after the seesaw kernel
@@ -231,17 +233,17 @@ Selection select_kernel(const DecodeFacts& f, const KernelConfig& requested, std
   //    schedule takes), so the combine's launch hides behind the last ones.
   if (c.programmatic_combine == Switch::kAuto) {
     if (c.kernel == KernelFamily::kAuto || (seesaw && requests < 0)) {
-      note("programmatic combine: auto, chosen on the device");
+      note([&] { return std::string("programmatic combine: auto, chosen on the device"); });
     } else {
       const bool on = seesaw && requests > kInlineScheduleMaxRequests;
       c.programmatic_combine = on ? Switch::kOn : Switch::kOff;
-      note(std::string("programmatic combine: ") + (on ? "on (sm90_seesaw with more than 32 requests)" : "off"));
+      note([&] { return std::string(std::string("programmatic combine: ") + (on ? "on (sm90_seesaw with more than 32 requests)" : "off")); });
     }
   } else {
     if (c.programmatic_combine == Switch::kOn && arch_known && f.arch < 90)
       return fail("programmatic combine needs sm_90 or later, this device is " + arch_str(f.arch));
-    note(std::string("programmatic combine: ") + (c.programmatic_combine == Switch::kOn ? "on" : "off") +
-         " (requested by the plan)");
+    note([&] { return std::string(std::string("programmatic combine: ") + (c.programmatic_combine == Switch::kOn ? "on" : "off") +
+         " (requested by the plan)"); });
   }
   return sel;
 }
