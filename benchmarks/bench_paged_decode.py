@@ -573,7 +573,7 @@ def bench_row(i, row, args, ceil, anchors, primary, target, t_start, peer=None):
     rec["xla_over_mla"] = x["us"] / m["us"]
   key = (row.b, row.q, row.h, row.sk, row.varlen)
   fm = anchors["flashmla"].get(key)
-  if "us" in fr:
+  if "us" in fr and fr.get("status") == "ok":  # a peer result that failed its check is no reference
     rec["flashmla"] = dict(source="same_run", us=fr["us"], us_scaled_to_our_sum_seq=fr["us"])
   elif fm and not args.smoke:
     # Σseq-normalised FlashMLA time (identical to raw for fixed-length rows).
@@ -629,6 +629,7 @@ def table(meta, rows):
          f"{'floor':>8}{'xla_us':>9}{'xla/us':>7}{'FMLA':>8}{'us/FM':>7}{'dev_us':>8}{'dv/FM':>7}"
          f"{'relerr':>8}  st")
   lines.append(hdr)
+  same = any(r.get("flashmla", {}).get("source") == "same_run" for r in rows)
   for r in rows:
     m = r.get("mla", {})
     x = r.get("xla", {})
@@ -642,7 +643,8 @@ def table(meta, rows):
       st = "ERROR"
     xla_us = x.get("us")
     xla_cell = _f(xla_us, ".1f", 9) if xla_us else x.get("status", "-")[:8].rjust(9)
-    name = r["name"] + ("*" if r.get("varlen") and fm else "")
+    name = r["name"] + ("*" if r.get("varlen") and fm.get("source") == "anchor" else "")
+    name += "a" if fm.get("source") == "anchor" and same else ""
     lines.append(
         f"{r['index']:>2} {name:<17}{_f(m.get('us'), '.1f', 9)}{_f(m.get('tflops'), '.0f', 7)}"
         f"{_f(m.get('gbs'), '.0f', 7)}{_f(m.get('pct_bw'), '.0f', 5)}{_f(m.get('pct_mm'), '.0f', 5)}"
@@ -650,10 +652,10 @@ def table(meta, rows):
         f"{_ratio(r.get('xla_over_mla'), 7)}{_f(fm.get('us_scaled_to_our_sum_seq'), '.1f', 8)}"
         f"{_ratio(r.get('mla_over_flashmla'), 7)}{_f(m.get('us_device'), '.1f', 8)}"
         f"{_ratio(r.get('mla_device_over_flashmla'), 7)}{_f(m.get('relerr'), '.1e', 8)}  {st}")
-  same = any(r.get("flashmla", {}).get("source") == "same_run" for r in rows)
   lines.append("xla/us: XLA-backend time / mla_jax time (same run). FMLA: FlashMLA us, " +
-               ("CUDA-graph replay in this process" if same else "anchor from another session (do_bench, "
-                "L2 flushed)") + "; us/FM: mla_jax / FlashMLA (>1 = slower)")
+               ("CUDA-graph replay in this process (rows marked a: an anchor from another session)"
+                if same else "anchor from another session (do_bench, L2 flushed)") +
+               "; us/FM: mla_jax / FlashMLA (>1 = slower)")
   for key, label in (("mla_over_flashmla", "us/FM"), ("mla_device_over_flashmla", "dv/FM")):
     vals = [r[key] for r in rows if (r.get(key) or 0) > 0]
     if vals:
@@ -808,8 +810,12 @@ def main(argv=None):
     return 0
 
   t_start = time.perf_counter()
-  if args.flashmla != "off":
-    # torch shares the GPU with JAX here: JAX must not take 75 % of its memory up front.
+  peer, why = None, "--flashmla off" if args.flashmla == "off" else "--smoke"
+  if args.flashmla == "auto" and not args.smoke:
+    import flashmla_peer  # beside this script
+    peer, why = flashmla_peer.load()
+  if peer is not None:
+    # torch shares the GPU with JAX: JAX must not take 75 % of its memory up front.
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
   import jax
   import jaxlib
@@ -862,12 +868,11 @@ def main(argv=None):
 
   print(f"device {meta['device']}, jax {jax.__version__}, backend {args.backend} -> {resolved}, "
         f"{len(chosen)} rows", flush=True)
-  peer, why = (None, "--flashmla off" if args.flashmla == "off" else "not a GPU run")
-  if args.flashmla == "auto" and platform == "gpu" and not args.smoke:
-    import flashmla_peer  # beside this script
-    peer, why = flashmla_peer.load()
+  if peer is not None and platform != "gpu":
+    peer, why = None, f"JAX runs on {platform}, not the GPU"
   meta["flashmla_same_run"] = dict(available=peer is not None, reason=why,
                                    version=getattr(peer, "version", None))
+  meta["xla_python_client_preallocate"] = os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE")
   print(f"FlashMLA in this process: {'yes' if peer else 'no (' + why + ')'}", flush=True)
   ceil = measure_ceilings(args.smoke, 3 if args.smoke else 5, platform == "gpu")
   if peer is not None:

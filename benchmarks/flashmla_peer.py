@@ -20,6 +20,7 @@ The data are the benchmark's JAX arrays, shared with torch through DLPack
 
 from __future__ import annotations
 
+import gc
 import statistics
 
 import numpy as np
@@ -71,8 +72,10 @@ class Peer:
         call(i)
     t.cuda.current_stream().wait_stream(side)
     t.cuda.synchronize()
+    gc.collect()  # no Python-side frees of device buffers during the capture
     graph = t.cuda.CUDAGraph()
-    with t.cuda.graph(graph):
+    # thread_local: CUDA calls of JAX's runtime threads during the capture must not invalidate it.
+    with t.cuda.graph(graph, capture_error_mode="thread_local"):
       outs = [call(i) for i in range(n)]
     return graph, outs
 
@@ -103,25 +106,31 @@ class Peer:
       return self.fm.flash_mla_with_kvcache(q_t[i], c_t[i % len(c_t)], bt, sl, 512, meta, None,
                                             softmax_scale=sm_scale, causal=causal)
 
-    out0, lse0 = call(0)  # also computes the scheduling metadata every later call reuses
-    t.cuda.synchronize()
-    result = (out0.float().cpu().numpy(), lse0.transpose(1, 2).float().cpu().numpy())
-    g_lo, keep_lo = self._capture(call, n_lo)
-    g_hi, keep_hi = self._capture(call, n_hi)
-    self._timed(g_lo.replay)
-    self._timed(g_hi.replay)
-    slopes, per_call_hi = [], []
-    for _ in range(reps):
-      t_lo = self._timed(g_lo.replay)
-      t_hi = self._timed(g_hi.replay)
-      slopes.append((t_hi - t_lo) / (n_hi - n_lo))
-      per_call_hi.append(t_hi / n_hi)
-    dobench = []
-    for i in range(dobench_calls):
-      self._l2_flush()
-      dobench.append(self._timed(lambda: call(i % len(q_t))))
-    del g_lo, g_hi, keep_lo, keep_hi
-    t.cuda.empty_cache()  # hand the graphs' memory back: JAX allocates from the same GPU
+    try:
+      out0, lse0 = call(0)  # also computes the scheduling metadata every later call reuses
+      t.cuda.synchronize()
+      result = (out0.float().cpu().numpy(), lse0.transpose(1, 2).float().cpu().numpy())
+      del out0, lse0
+      slopes, per_call_hi, dobench = [], [], []
+      graphs = [self._capture(call, n) for n in (n_lo, n_hi)]
+      (g_lo, _), (g_hi, _) = graphs
+      self._timed(g_lo.replay)
+      self._timed(g_hi.replay)
+      for _ in range(reps):
+        t_lo = self._timed(g_lo.replay)
+        t_hi = self._timed(g_hi.replay)
+        slopes.append((t_hi - t_lo) / (n_hi - n_lo))
+        per_call_hi.append(t_hi / n_hi)
+      del graphs, g_lo, g_hi
+      for i in range(dobench_calls):
+        self._l2_flush()
+        dobench.append(self._timed(lambda: call(i % len(q_t))))
+    finally:
+      # Hand the graphs' and outputs' memory back, also after a failure: JAX allocates
+      # from the same GPU.
+      self._flush = None
+      gc.collect()
+      t.cuda.empty_cache()
     slope = statistics.median(slopes)
     return dict(
         us=(slope if slope > 0 else statistics.median(per_call_hi)) * 1e6,
@@ -166,4 +175,6 @@ class Peer:
     s = statistics.median(slopes)
     res["matmul"] = dict(m=m, us=s * 1e6, flops_per_s=2 * m ** 3 / s,
                          method=f"torch.matmul bf16 [{m}x{m}]@[{m}x{m}], events, slope 5 -> 10 calls")
+    del a, b
+    t.cuda.empty_cache()
     return res

@@ -9,7 +9,7 @@
 #   bash scripts/compare_builds.sh A_SRC B_SRC OUT_DIR [bench args...]
 #
 # A_SRC, B_SRC: source trees (e.g. `git archive <commit> | tar -x -C DIR`).
-# Bench args go to every run (default: --no-xla). Needs what scripts/gpu_tests.sh
+# Bench args go to every run (default: --no-xla; --flashmla off unless given). Needs what scripts/gpu_tests.sh
 # needs (jax[cuda], nanobind, scikit-build-core, cmake, ninja; nvidia-cutlass
 # as a wheel in .whl/ when offline). STEPS=build or STEPS=bench runs one half
 # (bench reuses the builds in /tmp/mla_a, /tmp/mla_b); default: both. ROUNDS
@@ -23,6 +23,8 @@ A_SRC=$(cd "$1" && pwd); B_SRC=$(cd "$2" && pwd); OUT_DIR=$(mkdir -p "$3" && cd 
 A_LABEL=${A_LABEL:-a}; B_LABEL=${B_LABEL:-b}   # recorded as each side's commit
 BENCH_ARGS=("$@")
 [ ${#BENCH_ARGS[@]} -gt 0 ] || BENCH_ARGS=(--no-xla)
+# The peer is the same on both sides: time it (--flashmla auto) only when asked.
+[[ " ${BENCH_ARGS[*]} " == *" --flashmla "* ]] || BENCH_ARGS+=(--flashmla off)
 PY=${PYTHON:-python3}
 export MLA_JAX_CUDA_ARCHS=${MLA_JAX_CUDA_ARCHS:-90a}
 export CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}

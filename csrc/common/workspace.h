@@ -1,8 +1,9 @@
 // The split-KV workspace: one byte buffer that XLA allocates as the CUDA
 // handler's scratch result, carved into regions by workspace_layout().
 //
-// Every region starts on a 128-byte line, as a buffer of its own would (XLA
-// aligns buffers to at least 128 bytes): the decode kernels write partial
+// Every region starts on a 128-byte line when the buffer does, as a buffer
+// of its own would (XLA's GPU allocations are aligned at least that much;
+// a less aligned buffer stays correct, only slower): the decode kernels write partial
 // outputs and LSEs and the combine reads them, and a row that starts inside
 // a line costs an extra sector or line per access. Each region's size is
 // its count (items or requests) times a per-unit size rounded up to 128
