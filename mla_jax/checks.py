@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -49,22 +51,34 @@ def check_inputs(query, kv_cache, block_table, seq_lens, *, plan: DecodePlan, kv
   if cu_seqlens_q is not None:
     inputs, cu, tokens = ragged_inputs(query, kv_cache, block_table, seq_lens, _canonical(cu_seqlens_q), plan,
                                        kv_scale)
-    err, _ = jax.jit(checkify.checkify(lambda cu: _check_ragged(cu, tokens, plan.q_len)))(cu)
+    err, _ = _ragged_checker(tokens, plan.q_len)(cu)
     if err.get() is not None:
       return err
   else:
     inputs = normalize(query, kv_cache, block_table, seq_lens, plan, kv_scale)
-  num_pages = inputs.ckv.shape[0]
+  err, _ = _paged_checker(inputs.ckv.shape[0], plan.page_size)(inputs.block_table, inputs.seq_lens)
+  return err
+
+
+# One jitted checker per static configuration, reused across calls: a serving
+# loop that checks every step must not trace and compile a checker each time.
+@functools.lru_cache(maxsize=64)
+def _ragged_checker(tokens, q_len: int):
+  return jax.jit(checkify.checkify(lambda cu: _check_ragged(cu, tokens, q_len)))
+
+
+@functools.lru_cache(maxsize=64)
+def _paged_checker(num_pages, page_size: int):
 
   def checks(block_table, seq_lens):
     batch, max_pages = block_table.shape
     if batch == 0:
       return
-    cap = capacity(max_pages, plan.page_size)
+    cap = capacity(max_pages, page_size)
     neg = seq_lens < 0
     long = seq_lens > cap
     if max_pages:
-      bad_page = bad_live_pages(block_table, seq_lens, num_pages, plan.page_size)
+      bad_page = bad_live_pages(block_table, seq_lens, num_pages, page_size)
     else:  # no table entries: any positive length is already too long
       bad_page = jnp.zeros((batch, 1), bool)
     bad = neg | long | jnp.any(bad_page, axis=1)
@@ -80,8 +94,7 @@ def check_inputs(query, kv_cache, block_table, seq_lens, *, plan: DecodePlan, kv
                    "request {b}: block_table[{b}, {j}] = {v} is outside [0, num_pages = {n})",
                    b=b, j=j, v=page_id, n=jnp.int32(num_pages))
 
-  err, _ = jax.jit(checkify.checkify(checks))(inputs.block_table, inputs.seq_lens)
-  return err
+  return jax.jit(checkify.checkify(checks))
 
 
 def _check_ragged(cu, tokens: int, q_len: int):
