@@ -31,6 +31,16 @@ from .paged_cache import merge_states
 from .xla_reference import capacity, request_validity
 
 
+def explain_line(axis, op: str) -> str:
+  """The line mla_jax.explain adds for a call with context_axis."""
+  names = ", ".join(repr(a) for a in axis_names(axis))
+  tail = (" non-causally, the last q_len - 1 positions of a causal call attended in JAX,"
+          if op == "paged_decode" else "")
+  return (f"context_axis {names}: each device decodes the tokens on its own pages{tail} and the partial "
+          "outputs are merged over the axis by their LSEs; the lines below are one device's call on its "
+          "local shapes")
+
+
 def axis_names(axis) -> tuple:
   """A mesh axis name or a tuple of them, as a tuple."""
   return (axis,) if isinstance(axis, str) else tuple(axis)

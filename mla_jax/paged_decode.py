@@ -74,7 +74,7 @@ SPEC = _op.OpSpec(
 def explain_call(plan: DecodePlan, query, kv_cache, block_table, seq_lens, *, kv_scale=None, device=None,
                  return_lse: bool = False, cu_seqlens_q=None, context_axis=None):
   """mla_jax.explain for paged_decode's arguments."""
-  del return_lse, context_axis  # the kernels always compute the LSE; the local call is explained
+  del return_lse  # the kernels always compute the LSE
   found = []
 
   def trace(query, kv_cache, block_table, seq_lens, kv_scale, cu_seqlens_q):  # shapes only: nothing runs
@@ -104,7 +104,10 @@ def explain_call(plan: DecodePlan, query, kv_cache, block_table, seq_lens, *, kv
     return 0
 
   jax.eval_shape(trace, query, kv_cache, block_table, seq_lens, kv_scale, cu_seqlens_q)
-  return found[0]
+  if context_axis is None:
+    return found[0]
+  return dataclasses.replace(found[0], reasons=(_context.explain_line(context_axis, "paged_decode"),)
+                             + found[0].reasons)
 
 
 def _operands(inputs: DecodeInputs):

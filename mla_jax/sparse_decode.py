@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -72,7 +73,7 @@ SPEC = _op.OpSpec(
 
 
 def explain_call(plan: SparseDecodePlan, query, kv_cache, indices, *, topk_lens=None, attn_sink=None,
-                 device=None, return_lse: bool = False):
+                 device=None, return_lse: bool = False, context_axis=None):
   """mla_jax.explain for sparse_decode's arguments."""
   del return_lse  # the kernels always compute the LSE
   found = []
@@ -84,7 +85,10 @@ def explain_call(plan: SparseDecodePlan, query, kv_cache, indices, *, topk_lens=
     return 0
 
   jax.eval_shape(trace, query, kv_cache, indices, topk_lens, attn_sink)
-  return found[0]
+  if context_axis is None:
+    return found[0]
+  return dataclasses.replace(found[0], reasons=(_context.explain_line(context_axis, "sparse_decode"),)
+                             + found[0].reasons)
 
 
 @functools.partial(jax.jit, static_argnames=("plan", "return_lse", "context_axis"))

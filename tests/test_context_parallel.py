@@ -343,6 +343,21 @@ def test_interleaved_allocation_spreads_a_long_request():
 
 
 # --- sparse decode --------------------------------------------------------------
+def test_explain_names_the_context_axis():
+  """explain(..., context_axis=) says the pages are split and the partials merged, then
+  explains one device's call; without it, no such line."""
+  d = _inputs(7, LENS, 2)
+  args = (d["query"], d["kv_cache"], d["block_table"], d["seq_lens"])
+  e = mla_jax.explain(_plan("cpu", 2), *args, context_axis=("a", "b"))
+  assert e.reasons[0].startswith("context_axis 'a', 'b': each device decodes the tokens on its own pages"), e
+  assert "causal call attended in JAX" in e.reasons[0]
+  assert e.backend == "cpu" and e.reasons[1:] == mla_jax.explain(_plan("cpu", 2), *args).reasons
+  q, cache, idx, topk, sink = _sparse_inputs(12)
+  e = mla_jax.explain(_sparse_plan("cpu"), q, cache, idx, topk_lens=topk, context_axis="cp")
+  assert e.reasons[0].startswith("context_axis 'cp':") and "causal" not in e.reasons[0], e
+  assert not any("context_axis" in r for r in mla_jax.explain(_sparse_plan("cpu"), q, cache, idx).reasons)
+
+
 def _sparse_inputs(seed, q_len=2, k=64, fmt="bf16"):
   rng = np.random.default_rng(seed)
   num_pages = 32
