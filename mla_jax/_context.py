@@ -27,23 +27,23 @@ import jax
 import jax.numpy as jnp
 
 from ._inputs import is_packed
+from ._sharding import axis_names
 from .paged_cache import merge_states
-from .xla_reference import capacity, request_validity
+from .xla_reference import attend, capacity, request_validity
 
 
-def explain_line(axis, op: str) -> str:
-  """The line mla_jax.explain adds for a call with context_axis."""
+def explain(explanation, axis, op: str):
+  """mla_jax.explain's answer for one device's call, with a first line on
+  the context axis when ``axis`` is not None."""
+  if axis is None:
+    return explanation
   names = ", ".join(repr(a) for a in axis_names(axis))
   tail = (" non-causally, the last q_len - 1 positions of a causal call attended in JAX,"
           if op == "paged_decode" else "")
-  return (f"context_axis {names}: each device decodes the tokens on its own pages{tail} and the partial "
+  line = (f"context_axis {names}: each device decodes the tokens on its own pages{tail} and the partial "
           "outputs are merged over the axis by their LSEs; the lines below are one device's call on its "
           "local shapes")
-
-
-def axis_names(axis) -> tuple:
-  """A mesh axis name or a tuple of them, as a tuple."""
-  return (axis,) if isinstance(axis, str) else tuple(axis)
+  return dataclasses.replace(explanation, reasons=(line,) + explanation.reasons)
 
 
 def join_axes(outer, inner):
@@ -142,19 +142,11 @@ def _tail(plan, q_nope, q_pe, ckv, kpe, block_table, lens, kv_scale, lo, num_tai
   k_nope = jnp.where(mine[..., None], ckv[local, slot][..., :dn].astype(compute), zero)   # [B, K, dn]
   k_pe = kpe[local, slot]
   k_pe = jnp.where(mine[..., None], (k_pe[..., dn:] if is_packed(kpe, plan) else k_pe).astype(compute), zero)
-  scores = (jnp.einsum("bqhd,bkd->bqhk", q_nope, k_nope, preferred_element_type=jnp.float32) +
-            jnp.einsum("bqhd,bkd->bqhk", q_pe, k_pe, preferred_element_type=jnp.float32))
-  scores = scores * (plan.sm_scale * kv_scale[0])
   i = jnp.arange(q_len, dtype=jnp.int32)
   # Position lens - num_tail + k is visible to query token i of a causal
   # plan (num_tail = q_len - 1) exactly when k < i.
   visible = mine[:, None, :] & (k[None, None, :] < i[None, :, None])       # [B, Q, K]
-  scores = jnp.where(visible[:, :, None, :], scores, -jnp.inf)
-  lse = jax.nn.logsumexp(scores, axis=-1)
-  probs = jnp.exp(scores - jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None])
-  out = jnp.einsum("bqhk,bkd->bqhd", probs.astype(compute), k_nope,
-                   preferred_element_type=jnp.float32) * kv_scale[0]
-  return out, lse
+  return attend(q_nope, q_pe, k_nope, k_pe, visible, plan.sm_scale, kv_scale[0])
 
 
 def paged_decode_local(op_local, call, q_nope, q_pe, ckv, kpe, block_table, seq_lens, kv_scale):

@@ -45,8 +45,9 @@ def trace_mesh(x):
   return mesh
 
 
-def _names(entry) -> tuple:
-  """The mesh axis names of one PartitionSpec entry."""
+def axis_names(entry) -> tuple:
+  """The mesh axis names of one PartitionSpec entry (a name, a tuple of
+  names, or None), as a tuple."""
   if entry is None:
     return ()
   return (entry,) if isinstance(entry, str) else tuple(entry)
@@ -58,8 +59,8 @@ def context_axis(cache_sharding, num_pages, batch_axis, head_axis, allowed=None)
   ``allowed`` when given), splitting ``num_pages`` evenly. None: the cache
   is replicated first."""
   spec = tuple(getattr(cache_sharding, "spec", None) or ())
-  names = _names(spec[0]) if spec else ()
-  if not names or set(names) & set(_names(batch_axis) + _names(head_axis)):
+  names = axis_names(spec[0]) if spec else ()
+  if not names or set(names) & set(axis_names(batch_axis) + axis_names(head_axis)):
     return None
   if allowed is not None and not set(names) <= set(allowed):
     return None
@@ -158,7 +159,7 @@ def require_manual(axis, op_name: str) -> None:
   """context_axis= names axes that must be manual here (inside shard_map)."""
   mesh = jax.sharding.get_abstract_mesh()
   types = dict(zip(mesh.axis_names, mesh.axis_types)) if not mesh.empty else {}
-  for name in _names(axis):
+  for name in axis_names(axis):
     if types.get(name) != jax.sharding.AxisType.Manual:
       raise ValueError(f"mla_jax.{op_name}: context_axis={axis!r}: axis {name!r} is not a manual axis here; "
                        "context_axis is for calls inside jax.shard_map over that axis (under jax.jit, "

@@ -104,10 +104,7 @@ def explain_call(plan: DecodePlan, query, kv_cache, block_table, seq_lens, *, kv
     return 0
 
   jax.eval_shape(trace, query, kv_cache, block_table, seq_lens, kv_scale, cu_seqlens_q)
-  if context_axis is None:
-    return found[0]
-  return dataclasses.replace(found[0], reasons=(_context.explain_line(context_axis, "paged_decode"),)
-                             + found[0].reasons)
+  return _context.explain(found[0], context_axis, "paged_decode")
 
 
 def _operands(inputs: DecodeInputs):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -85,10 +84,7 @@ def explain_call(plan: SparseDecodePlan, query, kv_cache, indices, *, topk_lens=
     return 0
 
   jax.eval_shape(trace, query, kv_cache, indices, topk_lens, attn_sink)
-  if context_axis is None:
-    return found[0]
-  return dataclasses.replace(found[0], reasons=(_context.explain_line(context_axis, "sparse_decode"),)
-                             + found[0].reasons)
+  return _context.explain(found[0], context_axis, "sparse_decode")
 
 
 @functools.partial(jax.jit, static_argnames=("plan", "return_lse", "context_axis"))

@@ -47,6 +47,26 @@ def request_validity(block_table, seq_lens, num_pages: int, page_size: int):
   return len_ok & pages_ok
 
 
+def attend(q_nope, q_pe, k_nope, k_pe, visible, sm_scale: float, kv_scale):
+  """Softmax attention of a request's query tokens over keys they share.
+
+  q_nope [B, Q, H, dn], q_pe [B, Q, H, dr]; k_nope [B, N, dn] (also the
+  values), k_pe [B, N, dr], in the query dtype; visible bool [B, Q, N];
+  kv_scale: a float32 scalar that both the scores and the output carry.
+  Returns (out [B, Q, H, dn] float32, lse [B, Q, H] natural log): a row that
+  sees no key gets out 0, lse -inf.
+  """
+  scores = (jnp.einsum("bqhd,bnd->bqhn", q_nope, k_nope, preferred_element_type=jnp.float32) +
+            jnp.einsum("bqhd,bnd->bqhn", q_pe, k_pe, preferred_element_type=jnp.float32))
+  scores = scores * (sm_scale * kv_scale)
+  scores = jnp.where(visible[:, :, None, :], scores, -jnp.inf)
+  lse = jax.nn.logsumexp(scores, axis=-1)                                   # -inf if empty
+  probs = jnp.exp(scores - jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None])
+  out = jnp.einsum("bqhn,bnd->bqhd", probs.astype(k_nope.dtype), k_nope,
+                   preferred_element_type=jnp.float32) * kv_scale
+  return out, lse
+
+
 def paged_decode_xla(inputs: DecodeInputs, plan: DecodePlan):
   """Returns out [B, Q, H, kv_lora_rank] (query dtype) and lse [B, Q, H] f32."""
   dn = plan.kv_lora_rank
@@ -84,20 +104,13 @@ def paged_decode_xla(inputs: DecodeInputs, plan: DecodePlan):
   k_nope = jnp.where(live[..., None], k_nope, jnp.zeros((), compute))
   k_pe = jnp.where(live[..., None], k_pe, jnp.zeros((), compute))
 
-  scores = (jnp.einsum("bqhd,bnd->bqhn", q_nope, k_nope, preferred_element_type=jnp.float32) +
-            jnp.einsum("bqhd,bnd->bqhn", q_pe, k_pe, preferred_element_type=jnp.float32))
-  scores = scores * (plan.sm_scale * kv_scale)
   i = jnp.arange(q_len)
   if plan.causal:
     limit = seq_lens[:, None] - q_len + i[None, :] + 1                      # [B, Q]
   else:
     limit = jnp.broadcast_to(seq_lens[:, None], (b, q_len))
   visible = pos[None, None, :] < limit[:, :, None]                          # [B, Q, N]
-  scores = jnp.where(visible[:, :, None, :], scores, -jnp.inf)
-  lse = jax.nn.logsumexp(scores, axis=-1)                                   # -inf if empty
-  probs = jnp.exp(scores - jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None])
-  out = jnp.einsum("bqhn,bnd->bqhd", probs.astype(compute), k_nope,
-                   preferred_element_type=jnp.float32) * kv_scale
+  out, lse = attend(q_nope, q_pe, k_nope, k_pe, visible, plan.sm_scale, kv_scale)
   # The validity select below stays out of the PV matmul's fusion: XLA's GPU
   # compiler (jax 0.11) fused it into a Triton GEMM epilogue and rejected the
   # program it made of it when every dimension of the validity chain is 1
