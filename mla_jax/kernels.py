@@ -199,7 +199,10 @@ def explain(plan, query, kv_cache, *args, device=None, **kwargs) -> Explanation:
   Takes the arguments of :func:`mla_jax.paged_decode` (with a
   :class:`mla_jax.DecodePlan`) or :func:`mla_jax.sparse_decode` (with a
   :class:`mla_jax.SparseDecodePlan`); arrays or ``jax.ShapeDtypeStruct``
-  values (only shapes and dtypes are read; nothing runs).
+  values (only shapes and dtypes are read; nothing runs). With
+  ``context_axis=`` (inside ``jax.shard_map``) the first line says how the
+  pages are split and merged, and the rest explain one device's call on the
+  local shapes given.
 
   Args:
     device: the ``jax.Device`` the call would run on (default: JAX's first
