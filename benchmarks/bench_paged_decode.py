@@ -112,6 +112,8 @@ ROWS = [
     Row(8, 1, 96, 42000),
     Row(8, 2, 12, 42000),
     Row(8, 4, 12, 42000),
+    Row(128, 1, 128, 1024),  # many short requests
+    Row(128, 8, 16, 4096),  # MTP: 8 query tokens per request
 ]
 
 

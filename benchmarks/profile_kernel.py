@@ -4,7 +4,9 @@
       --launch-count 1 --set full -o prof python3 benchmarks/profile_kernel.py --b 128 --h 128
 
 Random bf16 data generated on the device, page_size 64, contiguous pages.
-Prints the median wall time of the jitted call (synchronised; launch overhead
+--impl flashmla runs FlashMLA's decode (torch and flash_mla importable, see
+benchmarks/README.md) on the same shapes instead, so that ncu can profile the
+peer's kernels beside ours (scripts/ncu_peer.sh). Prints the median wall time of the jitted call (synchronised; launch overhead
 included: use bench_paged_decode.py for the reported figures).
 """
 import argparse
@@ -21,7 +23,10 @@ def main(argv=None):
   p.add_argument("--seq", type=int, default=4096, help="tokens per request")
   p.add_argument("--page-size", type=int, default=64)
   p.add_argument("--calls", type=int, default=6)
+  p.add_argument("--impl", choices=("mla_jax", "flashmla"), default="mla_jax")
   a = p.parse_args(argv)
+  if a.impl == "flashmla":
+    return run_flashmla(a)
 
   import jax
   import jax.numpy as jnp
@@ -44,6 +49,29 @@ def main(argv=None):
     fn(query, cache, block_table, seq_lens).block_until_ready()
     times.append(time.perf_counter() - t0)
   print(f"b={a.b} h={a.h} q_len={a.q_len} seq={a.seq}: median {np.median(times[1:]) * 1e6:.1f} us "
+        f"over {a.calls - 1} calls (wall, synchronised)")
+
+
+def run_flashmla(a):
+  import torch
+  import flash_mla
+  dev = torch.device("cuda", 0)
+  pages_per_seq = -(-a.seq // a.page_size)
+  num_pages = a.b * pages_per_seq
+  g = torch.Generator(device=dev).manual_seed(0)
+  q = torch.randn(a.b, a.q_len, a.h, 576, generator=g, device=dev, dtype=torch.bfloat16)
+  cache = torch.randn(num_pages, a.page_size, 1, 576, generator=g, device=dev, dtype=torch.bfloat16)
+  block_table = torch.arange(num_pages, dtype=torch.int32, device=dev).reshape(a.b, pages_per_seq)
+  seq_lens = torch.full((a.b,), a.seq, dtype=torch.int32, device=dev)
+  meta, _ = flash_mla.get_mla_metadata()
+  times = []
+  for _ in range(a.calls):
+    t0 = time.perf_counter()
+    flash_mla.flash_mla_with_kvcache(q, cache, block_table, seq_lens, 512, meta, None,
+                                     softmax_scale=576 ** -0.5, causal=a.q_len > 1)
+    torch.cuda.synchronize()
+    times.append(time.perf_counter() - t0)
+  print(f"FlashMLA b={a.b} h={a.h} q_len={a.q_len} seq={a.seq}: median {np.median(times[1:]) * 1e6:.1f} us "
         f"over {a.calls - 1} calls (wall, synchronised)")
 
 
