@@ -6,8 +6,9 @@
 Random bf16 data generated on the device, page_size 64, contiguous pages.
 --impl flashmla runs FlashMLA's decode (torch and flash_mla importable, see
 benchmarks/README.md) on the same shapes instead, so that ncu can profile the
-peer's kernels beside ours (scripts/ncu_peer.sh). Prints the median wall time of the jitted call (synchronised; launch overhead
-included: use bench_paged_decode.py for the reported figures).
+peer's kernels beside ours (scripts/ncu_peer.sh). Prints the median wall time
+of one call (synchronised; launch overhead included: use bench_paged_decode.py
+for the reported figures).
 """
 import argparse
 import time
@@ -43,12 +44,17 @@ def main(argv=None):
   plan = mla_jax.DecodePlan(num_heads=a.h, page_size=a.page_size, sm_scale=576 ** -0.5,
                             q_len=a.q_len, causal=a.q_len > 1)
   fn = jax.jit(lambda q, c, bt, sl: mla_jax.paged_decode(q, c, bt, sl, plan=plan))
+  time_calls("mla_jax", a, lambda: fn(query, cache, block_table, seq_lens).block_until_ready())
+
+
+def time_calls(label, a, call):
+  """Runs call() a.calls times; prints the median wall time, the first (compiling) call left out."""
   times = []
   for _ in range(a.calls):
     t0 = time.perf_counter()
-    fn(query, cache, block_table, seq_lens).block_until_ready()
+    call()
     times.append(time.perf_counter() - t0)
-  print(f"b={a.b} h={a.h} q_len={a.q_len} seq={a.seq}: median {np.median(times[1:]) * 1e6:.1f} us "
+  print(f"{label} b={a.b} h={a.h} q_len={a.q_len} seq={a.seq}: median {np.median(times[1:]) * 1e6:.1f} us "
         f"over {a.calls - 1} calls (wall, synchronised)")
 
 
@@ -64,15 +70,13 @@ def run_flashmla(a):
   block_table = torch.arange(num_pages, dtype=torch.int32, device=dev).reshape(a.b, pages_per_seq)
   seq_lens = torch.full((a.b,), a.seq, dtype=torch.int32, device=dev)
   meta, _ = flash_mla.get_mla_metadata()
-  times = []
-  for _ in range(a.calls):
-    t0 = time.perf_counter()
+
+  def call():
     flash_mla.flash_mla_with_kvcache(q, cache, block_table, seq_lens, 512, meta, None,
                                      softmax_scale=576 ** -0.5, causal=a.q_len > 1)
     torch.cuda.synchronize()
-    times.append(time.perf_counter() - t0)
-  print(f"FlashMLA b={a.b} h={a.h} q_len={a.q_len} seq={a.seq}: median {np.median(times[1:]) * 1e6:.1f} us "
-        f"over {a.calls - 1} calls (wall, synchronised)")
+
+  time_calls("FlashMLA", a, call)
 
 
 if __name__ == "__main__":

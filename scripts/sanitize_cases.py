@@ -8,8 +8,9 @@ slot no valid request may see) and the sparse-decode format, padding and
 top-k-length tests, each checked against the float64 reference. One process
 and few calls: the sanitizer's slowdown and its memory for shadow state stay
 bounded (memcheck crashed inside a long pytest run of the whole file).
-BACKEND (default cuda) is for a check of this script on a CPU host. Exit status 1 when a case fails its check. scripts/sanitize.sh runs it under
-each tool.
+BACKEND (default cuda) is for a check of this script on a CPU host. Exit
+status 1 when a case fails its check. scripts/sanitize.sh runs it under each
+tool.
 """
 import pathlib
 import sys
