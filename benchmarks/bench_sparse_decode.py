@@ -1,15 +1,21 @@
 #!/usr/bin/env python3
-"""Benchmark of mla_jax.sparse_decode (DeepSeek V3.2 top-k, fp8_ds_mla cache) vs FlashMLA.
+"""Benchmark of mla_jax.sparse_decode (DeepSeek V3.2 top-k, fp8_ds_mla cache) vs FlashMLA, same run.
 
-Rows follow FlashMLA's sparse FP8 decode anchors on this H200: B=128, top-k
-2048 random distinct slots from a 65,536-token pool (page 64), bf16 query,
-656-byte fp8_ds_mla cache, (q_len, H) in {(1, 128), (2, 128), (1, 64)}.
-FLOPs = 2 * B * q_len * K * H * (576 + 512). Timing reuses the chained-call
-slope method of bench_paged_decode.py (see its docstring): the cache copies
-rotate so that the rotation set exceeds 2x L2. The op is checked against the
-float64 reference on two requests.
+Rows: B=128 (fewer for q_len 4), top-k random distinct slots from a 65,536-token
+pool (page 64), bf16 query, 656-byte fp8_ds_mla cache (pow2 scales), heads
+128/64 (FlashMLA's sparse decode takes only these) and 32/16 (tensor-parallel
+slices). FLOPs = 2 * B * q_len * K * H * (576 + 512); bytes = B * q_len * K * 656
+(every selected row read once per query token) + B * q_len * H * (576 + 512) * 2.
 
-  python benchmarks/bench_sparse_decode.py --anchors shared/anchors --out benchmarks/results/h200_sparse.json
+In one process on the same data: mla_jax as a JAX user runs it (the kernel
+auto-selection picks; method of bench_paged_decode.py: jitted program of n chained
+calls, own query each, median wall-clock slope between two n; GPU time from the
+profiler trace), the portable kernel forced through the plan (the one the Hopper
+kernel replaced), and FlashMLA when importable (flashmla_peer.py: CUDA-graph replay
+slope) on the same bytes: our cache layout is FlashMLA's. Each result is checked
+against the float64 reference on two requests.
+
+  python benchmarks/bench_sparse_decode.py --out benchmarks/results/h200_sparse.json
   python benchmarks/bench_sparse_decode.py --smoke --backend cpu     # CPU check of the script
 """
 
@@ -17,37 +23,32 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import math
+import os
 import sys
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_paged_decode import (chain_program, compile_prog, git_commit, mla_jax_env, source_digest,  # noqa: E402
-                                time_slope, write_json)
+from bench_paged_decode import (chain_program, compile_prog, device_slope, git_commit, mla_jax_env,  # noqa: E402
+                                source_digest, time_slope, write_json)
 
 PAGE_SIZE = 64
 POOL_TOKENS = 65536
 SM_SCALE = 1.0 / math.sqrt(192.0)
-ROWS = [(128, 1, 128, 2048), (128, 2, 128, 2048), (128, 1, 64, 2048)]
-SMOKE_ROWS = [(2, 1, 16, 64), (2, 2, 16, 64)]
+# (B, q_len, H, topk)
+ROWS = [(128, 1, 128, 2048), (128, 2, 128, 2048), (128, 1, 64, 2048), (128, 1, 32, 2048), (128, 1, 16, 2048),
+        (32, 4, 128, 512)]
+SMOKE_ROWS = [(2, 1, 16, 64), (2, 2, 64, 64)]
 
 
-def flashmla_us(anchors_dir, b, q, h, k):
-  if anchors_dir is None:
-    return None
-  path = Path(anchors_dir) / "flashmla_h200.json"
-  if not path.exists():
-    return None
-  for r in json.loads(path.read_text()):
-    if (r.get("kind") == "sparse_fp8_v32" and (r["b"], r["s_q"], r["h"], r["topk"]) == (b, q, h, k)):
-      return r["us"]
-  return None
+def _relerr(out, ref_out):
+  got = np.asarray(out, np.float64)
+  return float(np.linalg.norm(got - ref_out) / np.linalg.norm(ref_out))
 
 
-def bench_row(b, q, h, k, args, pool_tokens):
+def bench_row(b, q, h, k, args, pool_tokens, peer):
   import jax
   import jax.numpy as jnp
   import mla_jax
@@ -65,73 +66,116 @@ def bench_row(b, q, h, k, args, pool_tokens):
   n_lo, n_hi, reps = (1, 2, 2) if args.smoke else (4, 12, 10)
   qs = [jax.random.normal(jax.random.key(100 + i), (b, q, h, 576), jnp.float32).astype(jnp.bfloat16)
         for i in range(n_hi)]
-  plan = mla_jax.SparseDecodePlan(num_heads=h, page_size=PAGE_SIZE, sm_scale=SM_SCALE, topk=k,
-                                  q_len=q, kv_format="fp8_ds_mla", backend=args.backend)
-  step = lambda x, c, idx: mla_jax.sparse_decode(x, c, idx, plan=plan, return_lse=True)
-  lo, _ = compile_prog(chain_program(step, n_lo, rot), qs[:n_lo], caches, indices)
-  hi, _ = compile_prog(chain_program(step, n_hi, rot), qs, caches, indices)
-  lo_args = (qs[:n_lo], caches, indices)
-  per_call, wall, _, keep = time_slope(lambda *a: lo(*lo_args), hi, (qs, caches, indices), n_lo, n_hi,
-                                       reps)
-  out, lse = keep[0]
   sel = slice(0, 2)
-  ref_out, ref_lse = reference_sparse_decode(np.asarray(qs[0][sel].astype(jnp.float32)), np.asarray(cache),
-                                             np.asarray(indices[sel]), plan)
-  got = np.asarray(out[sel].astype(jnp.float32), np.float64)
-  relerr = float(np.linalg.norm(got - ref_out) / np.linalg.norm(ref_out))
-  us = per_call * 1e6
   flops = 2 * b * q * k * h * (576 + 512)
-  return dict(b=b, s_q=q, h=h, topk=k, us=us, us_wall=wall * 1e6, tflops=flops / us / 1e6,
-              relerr=relerr, ok=bool(np.isfinite(relerr) and relerr <= 2e-2), rot=rot)
+  nbytes = b * q * k * 656 + b * q * h * (576 + 512) * 2
+  rec = dict(kind="sparse_fp8_ds_mla", b=b, q_len=q, h=h, topk=k, rot=rot, flops=flops, bytes=nbytes)
+  ref = None
+  for variant in ("auto", "portable"):
+    plan = mla_jax.SparseDecodePlan(num_heads=h, page_size=PAGE_SIZE, sm_scale=SM_SCALE, topk=k, q_len=q,
+                                    kv_format="fp8_ds_mla", backend=args.backend, kernel=variant)
+    step = lambda x, c, idx, plan=plan: mla_jax.sparse_decode(x, c, idx, plan=plan, return_lse=True)
+    try:
+      e = mla_jax.explain(plan, qs[0], cache, indices)
+      chosen = e.kernel.kernel if e.kernel is not None else e.backend
+      a = (qs, caches, indices)
+      lo, _ = compile_prog(chain_program(step, n_lo, rot), qs[:n_lo], caches, indices)
+      hi, _ = compile_prog(chain_program(step, n_hi, rot), *a)
+      lo_args = (qs[:n_lo], caches, indices)
+      per_call, wall, slopes, keep = time_slope(lambda *_: lo(*lo_args), hi, a, n_lo, n_hi, reps)
+      dev = None
+      if not args.no_device_time:
+        dev = device_slope(lambda *_: lo(*lo_args), hi, a, n_lo, n_hi)
+      out, lse = keep[0]
+      if ref is None:
+        ref = reference_sparse_decode(np.asarray(qs[0][sel].astype(jnp.float32)), np.asarray(cache),
+                                      np.asarray(indices[sel]), plan)
+      relerr = _relerr(out[sel].astype(jnp.float32), ref[0])
+      us = per_call * 1e6
+      r = dict(kernel=chosen, us=us, us_wall=wall * 1e6, samples_us=[round(x * 1e6, 2) for x in slopes],
+               tflops=flops / us / 1e6, gbs=nbytes / us / 1e3, relerr=relerr,
+               ok=bool(np.isfinite(relerr) and relerr <= 2e-2))
+      if dev and "s" in dev:
+        r["gpu_us"] = dev["s"] * 1e6
+      del keep, lo, hi
+    except Exception as e:  # noqa: BLE001 - record and go on
+      r = dict(error=f"{type(e).__name__}: {e}"[:300], ok=False)
+    rec[variant] = r
+  if peer is not None and h in (64, 128):
+    try:
+      fr = peer.sparse_decode(qs, caches, indices, sm_scale=SM_SCALE, n_lo=n_lo, n_hi=n_hi, reps=reps)
+      out0, _ = fr.pop("result")
+      fr["relerr"] = _relerr(out0[sel], ref[0]) if ref is not None else None
+      fr["ok"] = fr["relerr"] is not None and fr["relerr"] <= 2e-2
+      fr["tflops"] = flops / fr["us"] / 1e6
+    except Exception as e:  # noqa: BLE001 - the peer's failure is a result
+      fr = dict(error=f"{type(e).__name__}: {e}"[:300], ok=False)
+    rec["flashmla"] = fr
+  m, pt, fm = rec["auto"], rec["portable"], rec.get("flashmla", {})
+  rec.update(mla_jax_us=m.get("us"), mla_jax_gpu_us=m.get("gpu_us"), portable_us=pt.get("us"),
+             flashmla_us=fm.get("us") if fm.get("ok") else None)
+  if rec["flashmla_us"] and m.get("us"):
+    rec["mla_over_flashmla"] = m["us"] / rec["flashmla_us"]
+  if pt.get("us") and m.get("us"):
+    rec["portable_over_mla"] = pt["us"] / m["us"]
+  return rec
 
 
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--backend", default="auto")
-  ap.add_argument("--anchors", default=None, help="folder holding flashmla_h200.json")
   ap.add_argument("--out", default=None, help="JSON results path")
   ap.add_argument("--commit", default=None)
+  ap.add_argument("--rows", default="", help="comma list of row indices")
+  ap.add_argument("--flashmla", default="auto", choices=("auto", "off"))
+  ap.add_argument("--no-device-time", action="store_true")
   ap.add_argument("--smoke", action="store_true", help="tiny shapes: a CPU check of the script")
   args = ap.parse_args(argv)
+  # torch (FlashMLA, the copy ceiling) shares the GPU: JAX must not take 75 % of it up front.
+  os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
   import jax
   dev = jax.devices()[0]
   rows_spec = SMOKE_ROWS if args.smoke else ROWS
+  if args.rows:
+    rows_spec = [rows_spec[int(i)] for i in args.rows.split(",")]
   pool = 1024 if args.smoke else POOL_TOKENS
+  peer, why = None, "--flashmla off"
+  if args.flashmla == "auto" and dev.platform == "gpu":
+    import flashmla_peer
+    peer, why = flashmla_peer.load()
   commit, dirty = git_commit(args.commit)
   meta = dict(benchmark="sparse_decode fp8_ds_mla", device=dev.device_kind, platform=dev.platform,
               date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               commit=commit, dirty=dirty, source_digest=source_digest(), env=mla_jax_env(), jax=jax.__version__,
-              backend=args.backend,
-              method="median slope of chained jitted calls (bench_paged_decode.py), rotating caches",
-              flops="2*B*q_len*K*H*(576+512)")
+              backend=args.backend, flashmla=(f"same run, {peer.version}" if peer else f"not run: {why}"),
+              method="mla_jax: median slope of chained jitted calls (bench_paged_decode.py), rotating caches; "
+                     "gpu_us: profiler-trace slope; FlashMLA: CUDA-graph replay slope (flashmla_peer.py)",
+              flops="2*B*q_len*K*H*(576+512)", bytes="B*q_len*K*656 + B*q_len*H*(576+512)*2")
   rows = []
   for (b, q, h, k) in rows_spec:
-    try:
-      r = bench_row(b, q, h, k, args, pool)
-    except Exception as e:  # noqa: BLE001 - record and go on
-      r = dict(b=b, s_q=q, h=h, topk=k, error=f"{type(e).__name__}: {e}"[:300])
-    r["flashmla_us"] = flashmla_us(args.anchors, b, q, h, k)
-    rows.append(r)
+    rows.append(bench_row(b, q, h, k, args, pool, peer))
     if args.out:
       write_json(Path(args.out), meta, rows, False)
   if args.out:
     write_json(Path(args.out), meta, rows, True)
-  print(f"== sparse_decode fp8_ds_mla | {dev.device_kind} | jax {jax.__version__} | commit {commit}")
-  if not args.anchors or not (Path(args.anchors) / "flashmla_h200.json").exists():
-    print(f"note: no FlashMLA anchors ({'--anchors not given' if not args.anchors else 'no flashmla_h200.json in ' + args.anchors}); "
-          "FMLA columns are '-'")
-  print(f"{'B':>4} {'q':>2} {'H':>4} {'K':>5} {'us':>9} {'TF/s':>6} {'FMLA us':>8} {'us/FM':>6} {'relerr':>8}")
+  print(f"== sparse_decode fp8_ds_mla | {dev.device_kind} | jax {jax.__version__} | commit {commit} | "
+        f"FlashMLA: {meta['flashmla']}")
+  print(f"{'B':>4} {'q':>2} {'H':>4} {'K':>5} | {'us':>8} {'gpu':>8} {'TF/s':>5} {'GB/s':>5} {'kernel':>14} | "
+        f"{'FMLA us':>8} {'TF/s':>5} {'us/FM':>6} | {'portable':>8} {'pt/us':>6} | relerr")
+  ok = True
   for r in rows:
-    if "error" in r:
-      print(f"{r['b']:>4} {r['s_q']:>2} {r['h']:>4} {r['topk']:>5}  ERROR {r['error']}")
-      continue
-    fm = r["flashmla_us"]
-    fm_cell = f"{fm:.1f}" if fm else "-"  # "-": no anchor for this row (or no --anchors)
-    ratio_cell = f"{r['us'] / fm:.2f}" if fm else "-"
-    print(f"{r['b']:>4} {r['s_q']:>2} {r['h']:>4} {r['topk']:>5} {r['us']:9.1f} {r['tflops']:6.0f} "
-          f"{fm_cell:>8} {ratio_cell:>6} "
-          f"{r['relerr']:8.1e} {'ok' if r['ok'] else 'FAIL'}")
-  return 0 if all(r.get("ok") for r in rows) else 1
+    m, pt, fm = r["auto"], r["portable"], r.get("flashmla", {})
+    ok &= bool(m.get("ok")) and bool(pt.get("ok"))
+    cell = lambda v, key, fmt: format(v[key], fmt) if v.get(key) is not None else "-"
+    print(f"{r['b']:>4} {r['q_len']:>2} {r['h']:>4} {r['topk']:>5} | {cell(m, 'us', '8.1f'):>8} "
+          f"{cell(m, 'gpu_us', '8.1f'):>8} {cell(m, 'tflops', '5.0f'):>5} {cell(m, 'gbs', '5.0f'):>5} "
+          f"{m.get('kernel', 'ERROR'):>14} | {cell(fm, 'us', '8.1f'):>8} {cell(fm, 'tflops', '5.0f'):>5} "
+          f"{cell(r, 'mla_over_flashmla', '6.2f'):>6} | {cell(pt, 'us', '8.1f'):>8} "
+          f"{cell(r, 'portable_over_mla', '6.2f'):>6} | {cell(m, 'relerr', '.1e')}")
+    for name in ("auto", "portable", "flashmla"):
+      if "error" in r.get(name, {}):
+        print(f"     {name}: {r[name]['error']}")
+  return 0 if ok else 1
 
 
 if __name__ == "__main__":

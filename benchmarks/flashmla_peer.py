@@ -106,6 +106,29 @@ class Peer:
       return self.fm.flash_mla_with_kvcache(q_t[i], c_t[i % len(c_t)], bt, sl, 512, meta, None,
                                             softmax_scale=sm_scale, causal=causal)
 
+    return self._time_calls(call, len(q_t), n_lo, n_hi, reps, dobench_calls)
+
+  def sparse_decode(self, qs, caches, indices, *, sm_scale, n_lo, n_hi, reps, dobench_calls=30):
+    """Times FlashMLA's sparse FP8 decode (DeepSeek V3.2) on one row. qs: JAX queries
+    [B, q_len, H, 576]; caches: the rotation's JAX uint8 caches [pages, page_size, 656] in
+    the fp8_ds_mla layout (FlashMLA's own byte layout, read as it is); indices: JAX int32
+    [B, q_len, topk] global slots. Returns what dense_decode returns."""
+    import jax
+    t = self.torch
+    jax.block_until_ready((qs, caches, indices))
+    q_t = [t.from_dlpack(q) for q in qs[:n_hi]]
+    c_t = [t.from_dlpack(c).view(t.float8_e4m3fn).unsqueeze(2) for c in caches]
+    idx = t.from_dlpack(indices)
+    meta, _ = self.fm.get_mla_metadata()
+
+    def call(i):
+      return self.fm.flash_mla_with_kvcache(q_t[i], c_t[i % len(c_t)], None, None, 512, meta, None,
+                                            softmax_scale=sm_scale, is_fp8_kvcache=True, indices=idx)
+
+    return self._time_calls(call, len(q_t), n_lo, n_hi, reps, dobench_calls)
+
+  def _time_calls(self, call, n_q, n_lo, n_hi, reps, dobench_calls):
+    t = self.torch
     try:
       out0, lse0 = call(0)  # also computes the scheduling metadata every later call reuses
       t.cuda.synchronize()
@@ -124,7 +147,7 @@ class Peer:
       del graphs, g_lo, g_hi
       for i in range(dobench_calls):
         self._l2_flush()
-        dobench.append(self._timed(lambda: call(i % len(q_t))))
+        dobench.append(self._timed(lambda: call(i % n_q)))
     finally:
       # Hand the graphs' and outputs' memory back, also after a failure: JAX allocates
       # from the same GPU.

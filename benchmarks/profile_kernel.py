@@ -3,8 +3,10 @@
   ncu --clock-control none --kernel-name regex:decode_kernel --launch-skip 3 \
       --launch-count 1 --set full -o prof python3 benchmarks/profile_kernel.py --b 128 --h 128
 
-Random bf16 data generated on the device, page_size 64, contiguous pages.
---impl flashmla runs FlashMLA's decode (torch and flash_mla importable, see
+Random data generated on the device, page_size 64, contiguous pages; --cache
+picks the cache: bf16, fp8 (float8_e4m3fn with a kv_scale) or fp8_ds_mla
+(sparse top-k decode: --seq is then top-k, distinct random slots from a
+65,536-token pool). --impl flashmla runs FlashMLA's decode (torch and flash_mla importable, see
 benchmarks/README.md) on the same shapes instead, so that ncu can profile the
 peer's kernels beside ours (scripts/ncu_peer.sh). Prints the median wall time
 of one call (synchronised; launch overhead included: use bench_paged_decode.py
@@ -25,7 +27,10 @@ def main(argv=None):
   p.add_argument("--page-size", type=int, default=64)
   p.add_argument("--calls", type=int, default=6)
   p.add_argument("--impl", choices=("mla_jax", "flashmla"), default="mla_jax")
+  p.add_argument("--cache", choices=("bf16", "fp8", "fp8_ds_mla"), default="bf16")
   a = p.parse_args(argv)
+  if a.cache == "fp8_ds_mla":
+    return run_sparse(a)
   if a.impl == "flashmla":
     return run_flashmla(a)
 
@@ -39,12 +44,49 @@ def main(argv=None):
   shape_q = (a.b, a.q_len, a.h, 576) if a.q_len > 1 else (a.b, a.h, 576)
   query = jax.random.normal(k1, shape_q, jnp.bfloat16)
   cache = jax.random.normal(k2, (num_pages, a.page_size, 576), jnp.bfloat16)
+  kv_scale = None
+  if a.cache == "fp8":
+    if a.impl == "flashmla":
+      raise SystemExit("FlashMLA has no dense FP8 decode on sm_90")
+    cache, kv_scale = (cache * 8).astype(jnp.float8_e4m3fn), jnp.float32(0.125)
   block_table = jnp.asarray(np.arange(num_pages, dtype=np.int32).reshape(a.b, pages_per_seq))
   seq_lens = jnp.full((a.b,), a.seq, jnp.int32)
   plan = mla_jax.DecodePlan(num_heads=a.h, page_size=a.page_size, sm_scale=576 ** -0.5,
                             q_len=a.q_len, causal=a.q_len > 1)
-  fn = jax.jit(lambda q, c, bt, sl: mla_jax.paged_decode(q, c, bt, sl, plan=plan))
-  time_calls("mla_jax", a, lambda: fn(query, cache, block_table, seq_lens).block_until_ready())
+  fn = jax.jit(lambda q, c, bt, sl, s: mla_jax.paged_decode(q, c, bt, sl, plan=plan, kv_scale=s))
+  time_calls("mla_jax", a, lambda: fn(query, cache, block_table, seq_lens, kv_scale).block_until_ready())
+
+
+def run_sparse(a):
+  """Sparse decode over an fp8_ds_mla cache (--seq = top-k), either implementation."""
+  import jax
+  import jax.numpy as jnp
+  import mla_jax
+  pool = 65536
+  rng = np.random.default_rng(0)
+  latent = jax.random.normal(jax.random.key(0), (pool // a.page_size, a.page_size, 576), jnp.bfloat16)
+  cache = mla_jax.quantize_latent_fp8(latent, scale_format="pow2")
+  indices = np.stack([rng.permutation(pool)[:a.seq] for _ in range(a.b * a.q_len)])
+  indices = jnp.asarray(indices.reshape(a.b, a.q_len, a.seq).astype(np.int32))
+  query = jax.random.normal(jax.random.key(1), (a.b, a.q_len, a.h, 576), jnp.bfloat16)
+  if a.impl == "flashmla":
+    import torch
+    import flash_mla
+    jax.block_until_ready((cache, indices, query))
+    q_t, idx_t = torch.from_dlpack(query), torch.from_dlpack(indices)
+    c_t = torch.from_dlpack(cache).view(torch.float8_e4m3fn).unsqueeze(2)
+    meta, _ = flash_mla.get_mla_metadata()
+
+    def call():
+      flash_mla.flash_mla_with_kvcache(q_t, c_t, None, None, 512, meta, None, softmax_scale=576 ** -0.5,
+                                       is_fp8_kvcache=True, indices=idx_t)
+      torch.cuda.synchronize()
+
+    return time_calls("FlashMLA sparse", a, call)
+  plan = mla_jax.SparseDecodePlan(num_heads=a.h, page_size=a.page_size, sm_scale=576 ** -0.5, topk=a.seq,
+                                  q_len=a.q_len, kv_format="fp8_ds_mla")
+  fn = jax.jit(lambda q, c, i: mla_jax.sparse_decode(q, c, i, plan=plan))
+  time_calls("mla_jax sparse", a, lambda: fn(query, cache, indices).block_until_ready())
 
 
 def time_calls(label, a, call):

@@ -5,6 +5,8 @@
 # use, occupancy) rather than guessed.
 #
 #   bash scripts/ncu_peer.sh OUT_DIR ROW...      # ROW: B,Q,H,SEQ, e.g. 128,1,16,4096
+#   CACHE=fp8_ds_mla bash scripts/ncu_peer.sh OUT_DIR 128,1,128,2048   # sparse: SEQ is top-k
+#   IMPLS=mla_jax CACHE=fp8 bash scripts/ncu_peer.sh OUT_DIR ...      # dense FP8: no FlashMLA peer
 #
 # Needs mla_jax importable (installed, or PYTHONPATH=/tmp/mla_b after
 # scripts/compare_builds.sh STEPS=build) and FlashMLA on PYTHONPATH (see
@@ -25,14 +27,14 @@ KERNELS='regex:schedule|decode|seesaw|combine|mla'
 
 for row in "$@"; do
   IFS=, read -r b q h seq <<< "$row"
-  name="b${b}q${q}h${h}s${seq}"
-  for impl in mla_jax flashmla; do
+  name="${CACHE:-bf16}_b${b}q${q}h${h}s${seq}"
+  for impl in ${IMPLS:-mla_jax flashmla}; do
     # From /tmp, so that no source folder named mla_jax is on sys.path; the
     # first calls (compilation, first touches) are skipped.
     (cd /tmp && ncu "${SECTIONS[@]}" -f -o "$OUT_DIR/${impl}_$name" --kernel-name "$KERNELS" \
       --launch-skip 9 --launch-count 6 \
       "$PY" "$ROOT/benchmarks/profile_kernel.py" --impl "$impl" --b "$b" --q-len "$q" --h "$h" --seq "$seq" \
-      --calls 8) > "$OUT_DIR/${impl}_$name.log" 2>&1 || echo "ncu $impl $name failed (see ${impl}_$name.log)"
+      --calls 8 --cache "${CACHE:-bf16}") > "$OUT_DIR/${impl}_$name.log" 2>&1 || echo "ncu $impl $name failed (see ${impl}_$name.log)"
     ncu --import "$OUT_DIR/${impl}_$name.ncu-rep" --csv --page details > "$OUT_DIR/${impl}_$name.csv" 2>/dev/null || true
   done
 done

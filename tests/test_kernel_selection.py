@@ -7,6 +7,8 @@ docs/design.md. Expectations for the Hopper kernels need a build with sm_90a
 code (the default CUDA build); a CPU-only build selects "portable" for sm_90.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -60,15 +62,28 @@ def test_other_architectures_run_the_portable_kernel(device):
   assert any("sm_" + str(device.arch) in line for line in got.reasons), str(got)
 
 
-def test_fp8_cache_runs_the_portable_kernel():
-  plan = mla_jax.DecodePlan(num_heads=128, page_size=64, sm_scale=SM_SCALE, backend="cuda")
-  got = mla_jax.explain(plan, *_paged(4, 128, 64, kv_dtype=jnp.float8_e4m3fn),
+@needs_sm90a
+@pytest.mark.parametrize("heads,page_size,want", [(128, 64, "sm90_lockstep"), (64, 16, "sm90_lockstep"),
+                                                  (16, 64, "portable")])
+def test_fp8_cache_kernel_choice(heads, page_size, want):
+  # More than 32 query rows: the lock-step kernel converts the e4m3 rows on
+  # chip; fewer: the portable kernel's smaller row blocks. Never the seesaw
+  # kernel (its TMA boxes land the rows as they are).
+  plan = mla_jax.DecodePlan(num_heads=heads, page_size=page_size, sm_scale=SM_SCALE, backend="cuda")
+  got = mla_jax.explain(plan, *_paged(4, heads, page_size, kv_dtype=jnp.float8_e4m3fn),
                         kv_scale=jax.ShapeDtypeStruct((), jnp.float32), device=H200)
-  assert got.kernel.kernel == "portable", str(got)
+  assert got.kernel.kernel == want, str(got)
+  if want == "sm90_lockstep":
+    assert any("FP8 rows, converted on chip" in line for line in got.reasons), str(got)
+  with pytest.raises(ValueError, match="sm90_seesaw"):
+    mla_jax.explain(dataclasses.replace(plan, kernel="sm90_seesaw"),
+                    *_paged(4, heads, page_size, kv_dtype=jnp.float8_e4m3fn),
+                    kv_scale=jax.ShapeDtypeStruct((), jnp.float32), device=H200)
 
 
 @needs_sm90a
-@pytest.mark.parametrize("heads,kv_format,want", [(64, "bf16", "sm90_lockstep"), (128, "fp8_ds_mla", "portable"),
+@pytest.mark.parametrize("heads,kv_format,want", [(64, "bf16", "sm90_lockstep"), (128, "fp8_ds_mla", "sm90_lockstep"),
+                                                  (32, "fp8_ds_mla", "portable"),
                                                   (16, "bf16", "portable")])
 def test_sparse_capability_table(heads, kv_format, want):
   plan = mla_jax.SparseDecodePlan(num_heads=heads, page_size=64, sm_scale=SM_SCALE, topk=128, kv_format=kv_format,

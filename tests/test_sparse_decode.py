@@ -18,6 +18,7 @@ ones) so that a wrong group scale shows. Sizes are small: CI has 2 cores.
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 
 import jax
@@ -508,3 +509,55 @@ def test_inside_shard_map_with_auto_backend():
   with jax.default_device(cpu[0]):
     out, lse = decode(query, kv, indices)
   assert_matches(out, lse, *case.reference(), case.dtype)
+
+
+# --- the Hopper kernel for fp8_ds_mla (sm_90) ---------------------------------------
+def _hopper():
+  device = mla_jax.kernels.visible_cuda_device()
+  return device is not None and device.arch // 10 == 9 and mla_jax._ffi.ext().has_sm90a()
+
+
+# (num_heads, q_len, topk, scale_format, dtype)
+HOPPER_CASES = [
+    (128, 1, 2048, "pow2", jnp.bfloat16),
+    (128, 2, 2049, "arbitrary", jnp.bfloat16),   # one index past a whole number of 64-token tiles
+    (64, 4, 64, "pow2", jnp.float16),             # fp16 query: the bf16 rope is converted on chip
+    (96, 1, 1, "arbitrary", jnp.bfloat16),
+    (64, 1, 300, "arbitrary", jnp.float16),
+]
+
+
+@GPU
+@pytest.mark.parametrize("kernel", ["auto", "portable"])
+@pytest.mark.parametrize("num_heads,q_len,topk,scale_format,dtype", HOPPER_CASES)
+def test_hopper_fp8_ds_mla(kernel, num_heads, q_len, topk, scale_format, dtype):
+  """More than 32 heads run the sm90 lock-step kernel on an sm_90 GPU (auto),
+  which dequantises the 656-byte rows on chip; padding and out-of-range
+  indices anywhere, topk_lens with garbage (a NaN page) after it, and sinks,
+  against the float64 reference and against the portable kernel."""
+  b, s = 3, 64
+  case = Case(seed_of("hopper", num_heads, q_len, topk, scale_format), batch=b, q_len=q_len,
+              num_heads=num_heads, topk=topk, num_pages=max(40, -(-topk // s) + 8), page_size=s,
+              kv_format="fp8_ds_mla", scale_format=scale_format, dtype=dtype)
+  nan_page = case.num_slots // s - 1
+  kv = nan_page_cache(case, nan_page)
+  idx = np.where(case.indices // s == nan_page, case.indices % s, case.indices).astype(np.int32)
+  n = case.num_slots
+  if topk > 8:
+    idx[0, 0, :5] = -1                                  # leading padding
+    idx[0, -1, topk // 2: topk // 2 + 7] = [n, -1, INT32_MAX, -2, INT32_MIN, n + 64, -1]
+  idx[1, -1, :] = -1                                    # a whole row of padding
+  lens = np.array([topk, max(1, topk - 70), topk + 5], np.int32)
+  for r in range(b):
+    m = max(0, min(lens[r], topk))
+    idx[r, :, m:] = np.resize(np.array([nan_page * s + 1, 10**9, -1], np.int32), topk - m)
+  sink = np.random.default_rng(3).normal(0.0, 2.0, num_heads).astype(np.float32)
+  plan = dataclasses.replace(case.plan("cuda"), kernel=kernel)
+  if kernel == "auto" and _hopper():
+    assert mla_jax.explain(plan, case.query, kv, idx).kernel.kernel == "sm90_lockstep"
+  ref = case.reference(indices=idx, topk_lens=lens, kv_cache=kv, attn_sink=sink)
+  out, lse = run_sparse("cuda", case.query, kv, idx, plan, topk_lens=lens, attn_sink=sink)
+  assert_matches(out, lse, *ref, case.dtype)
+  out2, lse2 = run_sparse("cuda", case.query, kv, idx, plan, topk_lens=lens, attn_sink=sink)
+  np.testing.assert_array_equal(np.asarray(out2.astype(jnp.float32)), np.asarray(out.astype(jnp.float32)))
+  np.testing.assert_array_equal(np.asarray(lse2), np.asarray(lse))

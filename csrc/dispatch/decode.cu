@@ -51,8 +51,14 @@ cudaError_t run_paged_decode(const PagedDecodeParams& params, const DecodeWorksp
     case KernelFamily::kSm90Lockstep: {
 #if defined(MLA_JAX_SM90A)
       const bool seesaw = config.kernel == KernelFamily::kSm90Seesaw;
-      err = params.q_type == ElemType::kBF16 ? sm90::run_decode_bf16(params, ws, schedule, seesaw, stream)
-                                             : sm90::run_decode_fp16(params, ws, schedule, seesaw, stream);
+      if (params.kv_format == KvFormat::kFp8DsMla) {
+        err = seesaw ? cudaErrorNotSupported : sm90::run_decode_ds_mla(params, ws, schedule, stream);
+      } else if (params.kv_type == ElemType::kFP8E4M3) {
+        err = seesaw ? cudaErrorNotSupported : sm90::run_decode_fp8(params, ws, schedule, stream);
+      } else {
+        err = params.q_type == ElemType::kBF16 ? sm90::run_decode_bf16(params, ws, schedule, seesaw, stream)
+                                               : sm90::run_decode_fp16(params, ws, schedule, seesaw, stream);
+      }
 #else
       err = cudaErrorNoKernelImageForDevice;  // select_kernel never picks it in such a build
 #endif

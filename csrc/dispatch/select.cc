@@ -127,6 +127,9 @@ Selection select_kernel(const DecodeFacts& f, const KernelConfig& requested, std
   const bool arch_known = f.arch > 0;
   const bool sm90_device = f.arch / 10 == 9;
   const bool plain16 = f.kv_format == KvFormat::kPlain && f.kv_type == f.q_type && f.kv_pages_contiguous;
+  // FP8 caches the lock-step kernel gathers and converts on chip.
+  const bool fp8 = f.kv_format == KvFormat::kFp8DsMla || (f.kv_format == KvFormat::kPlain && f.kv_type == ElemType::kFP8E4M3);
+  const bool fp8_lockstep = fp8 && f.kv_pages_contiguous && f.kv_aligned;
   const int64_t slots = f.num_pages < 0 ? kUnknownSize : f.num_pages * f.page_size;
   // TMA boxes copy whole 64-token tiles of one page, with int32 row coordinates.
   const bool tma = f.op == DecodeOp::kPaged && f.page_size % 64 == 0 && f.kv_aligned && plain16 &&
@@ -142,11 +145,11 @@ Selection select_kernel(const DecodeFacts& f, const KernelConfig& requested, std
       note([&] { return std::string(std::string("kernel: portable (") +
            (!sm90_device ? "the Hopper kernels are for sm_90; this device is " + arch_str(f.arch)
                          : std::string("this build has no sm_90a code")) + ")"); });
-    } else if (!plain16) {
+    } else if (!plain16 && !fp8_lockstep) {
       c.kernel = KernelFamily::kPortable;
-      note([&] { return std::string(f.kv_pages_contiguous
-               ? "kernel: portable (FP8 caches, e4m3 with kv_scale or fp8_ds_mla, are dequantised by the portable kernel)"
-               : "kernel: portable (the cache's pages are not laid end to end)"); });
+      note([&] { return std::string(!f.kv_pages_contiguous ? "kernel: portable (the cache's pages are not laid end to end)"
+               : fp8 ? "kernel: portable (FP8 cache rows not 16-byte aligned)"
+                     : "kernel: portable (the cache's dtype differs from the query's)"); });
     } else if (tma) {
       c.kernel = KernelFamily::kSm90Seesaw;
       note([&] { return std::string("kernel: sm90_seesaw (sm_90, a paged cache whose page_size is a multiple of 64: TMA loads whole "
@@ -154,7 +157,8 @@ Selection select_kernel(const DecodeFacts& f, const KernelConfig& requested, std
     } else if (wide) {
       c.kernel = KernelFamily::kSm90Lockstep;
       note([&] { return std::string("kernel: sm90_lockstep (sm_90, " + std::to_string(rows) + " query rows per request; the cache is "
-           "gathered row by row: " + (f.op == DecodeOp::kSparse ? "sparse indices" : "page_size below 64 or not a multiple of 64") + ")"); });
+           "gathered row by row: " + (fp8 ? "FP8 rows, converted on chip" : f.op == DecodeOp::kSparse ? "sparse indices" :
+           "page_size below 64 or not a multiple of 64") + ")"); });
     } else {
       c.kernel = KernelFamily::kPortable;
       note([&] { return std::string("kernel: portable (" + std::to_string(rows) + " query rows per request and a cache TMA cannot load "
@@ -167,9 +171,11 @@ Selection select_kernel(const DecodeFacts& f, const KernelConfig& requested, std
         return fail(std::string("kernel '") + family_name(c.kernel) + "' needs an sm_90 device, this one is " + arch_str(f.arch));
       if (!f.build_sm90a)
         return fail(std::string("kernel '") + family_name(c.kernel) + "' needs a build with sm_90a code (MLA_JAX_CUDA_ARCHS)");
-      if (!plain16)
-        return fail(std::string("kernel '") + family_name(c.kernel) +
-                    "' serves bf16/fp16 caches in the query dtype, pages laid end to end, only");
+      if (c.kernel == KernelFamily::kSm90Seesaw && !plain16)
+        return fail("kernel 'sm90_seesaw' serves bf16/fp16 caches in the query dtype, pages laid end to end, only");
+      if (c.kernel == KernelFamily::kSm90Lockstep && !plain16 && !fp8_lockstep)
+        return fail("kernel 'sm90_lockstep' serves bf16/fp16 caches in the query dtype and FP8 caches (e4m3 with "
+                    "kv_scale, fp8_ds_mla), pages laid end to end and 16-byte aligned rows, only");
       if (c.kernel == KernelFamily::kSm90Seesaw && !tma)
         return fail("kernel 'sm90_seesaw' needs TMA loads: paged decode with page_size a multiple of 64 and "
                     "16-byte aligned cache rows");

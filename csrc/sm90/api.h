@@ -23,6 +23,13 @@ cudaError_t run_decode_bf16(const PagedDecodeParams& params, const DecodeWorkspa
                             const SplitSchedule& schedule, bool seesaw, cudaStream_t stream);
 cudaError_t run_decode_fp16(const PagedDecodeParams& params, const DecodeWorkspace& ws,
                             const SplitSchedule& schedule, bool seesaw, cudaStream_t stream);
+// FP8 caches, lock-step kernel only (rows gathered with cp.async and
+// converted to the query dtype in shared memory): float8_e4m3fn with one
+// kv_scale, and DeepSeek V3.2 fp8_ds_mla; bf16 or fp16 query.
+cudaError_t run_decode_fp8(const PagedDecodeParams& params, const DecodeWorkspace& ws,
+                           const SplitSchedule& schedule, cudaStream_t stream);
+cudaError_t run_decode_ds_mla(const PagedDecodeParams& params, const DecodeWorkspace& ws,
+                              const SplitSchedule& schedule, cudaStream_t stream);
 
 }  // namespace sm90
 }  // namespace mla_jax

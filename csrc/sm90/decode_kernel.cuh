@@ -27,6 +27,7 @@
 #include "csrc/smxx/request.cuh"
 #include "csrc/sm90/decode_common.cuh"
 #include "csrc/sm90/decode_traits.h"
+#include "csrc/sm90/kv_convert.cuh"
 #include "csrc/sm90/kv_tma.h"
 
 #include <cute/arch/copy_sm90_tma.hpp>
@@ -64,12 +65,13 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   float* sRed = reinterpret_cast<float*>(smem_raw + smem_pad + Tr::kSmemRed);
   uint8_t* sValid = reinterpret_cast<uint8_t*>(smem_raw + smem_pad + Tr::kSmemValid);
   char* sP_shared = smem_raw + smem_pad + Tr::kSmemP;
+  char* sKv_shared = smem_raw + smem_pad + Tr::kSmemKv;  // FP8 conversion: LDS/STS
   int* s_bad_page = reinterpret_cast<int*>(smem_raw + smem_pad + Tr::kSmemFlags);
   // TMA path: "stage full" barriers, one arrival per warpgroup plus the
   // bytes its copies bring (see issue_tile).
   uint64_t* kv_full = reinterpret_cast<uint64_t*>(smem_raw + smem_pad + Tr::kSmemBarriers);
   using FullBarrier = cutlass::arch::ClusterTransactionBarrier;
-  const bool use_tma = tma.enabled != 0;
+  const bool use_tma = !Tr::kConvert && tma.enabled != 0;  // FP8 rows are gathered and converted
 
   const int tid = threadIdx.x;
   const int wg = tid / 128, wg_tid = tid % 128;
@@ -204,6 +206,38 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         }
         return;
       }
+      if constexpr (Tr::kConvert) {
+        // Raw bytes at the offsets of decode_traits.h, each warpgroup inside
+        // its own region (so, as for native rows, it refills right after its
+        // own P V): warpgroup 0 ckv bytes [0, 256) and the ds_mla scales,
+        // warpgroup 1 ckv bytes [256, 512) and the kpe part.
+#pragma unroll
+        for (int ps = 0; ps < Tr::kKvPasses; ++ps) {
+          const int r = ps * Tr::kKvRowsPerPass + kv_copy_row;
+          const int64_t cache_row = row_of(tile, ps, entry[ps]);
+          const bool live = cache_row >= 0;
+          if (wg == 0 && copy_lane == 0) sValid[stage * kBlockN + r] = live;
+          const int64_t row = live ? cache_row : 0;
+          const char* ckv_src = ckv + row * p.ckv_token_stride + wg * 256;  // bytes
+          char* dst = dst_stage + (wg == 0 ? Tr::kRawNopeLo : Tr::kRawNopeHi) + r * 256;
+#pragma unroll
+          for (int j = 0; j < 2; ++j) {
+            const int c = copy_lane + j * Tr::kThreadsPerRow;
+            cp_async_16(dst + c * 16, ckv_src + c * 16, live);
+          }
+          if (wg == 0) {
+            if (Tr::kLoad == KvLoad::kDsMla && copy_lane == 0)
+              cp_async_16(dst_stage + Tr::kRawScales + r * 16, ckv_src + kDsMlaScaleOffset, live);
+          } else {
+            const char* kpe_src = kpe + row * p.kpe_token_stride + copy_lane * 16;
+            if constexpr (Tr::kRopeDirect) {
+              cp_async_16(dst_stage + qk_chunk_offset(r, Tr::kNopeChunks + copy_lane), kpe_src, live);
+            } else if (copy_lane * 16 < Tr::kRawRopeBytes) {
+              cp_async_16(dst_stage + Tr::kRawRope + r * Tr::kRawRopeBytes + copy_lane * 16, kpe_src, live);
+            }
+          }
+        }
+      } else {
 #pragma unroll
       for (int ps = 0; ps < Tr::kKvPasses; ++ps) {
         const int r = ps * Tr::kKvRowsPerPass + kv_copy_row;
@@ -222,6 +256,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
           cp_async_16(dst_stage + qk_chunk_offset(r, Tr::kNopeChunks + copy_lane), kpe_src, live);
         }
       }
+      }  // native rows
     };
     static_assert(Tr::kKvChunksWg1 == Tr::kKvChunksWg0 + 1, "warpgroup 1 copies one rope chunk more");
 
@@ -270,6 +305,20 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     cute::cp_async_wait<1>();
     fence_smem_for_wgmma();
     __syncthreads();  // query and tile 0 landed
+    // FP8: tile t is converted in step t - 1, before S(t) is issued; tile 0 here.
+    auto convert_tile = [&](int stage) __attribute__((always_inline)) {
+      RawTile<Tr> raw;
+      load_raw<Tr>(sKv_shared + stage * Tr::kTileBytes, tid, raw);
+      __syncthreads();  // every raw byte of the stage is read
+      store_converted<Tr>(sKv_shared + stage * Tr::kTileBytes, tid, raw);
+    };
+    if constexpr (Tr::kConvert) {
+      if (num_tiles > 0) {
+        convert_tile(0);
+        fence_smem_for_wgmma();
+        __syncthreads();
+      }
+    }
     if (num_tiles > 0) {
       wait_tile(0);
       clear(tSrS);
@@ -323,7 +372,12 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         tile_max[rr] = fmaxf(tile_max[rr], __shfl_xor_sync(0xffffffffu, tile_max[rr], 2));
         if (lane % 4 == 0) sRed[wg * kBlockM + row_base + 8 * rr] = tile_max[rr];
       }
+      // FP8: tile t+1's raw bytes (the only group in flight) are read by
+      // every thread after the barrier below.
+      if constexpr (Tr::kConvert && kHasNext) cute::cp_async_wait<0>();
       __syncthreads();  // both halves' maxima are in sRed
+      [[maybe_unused]] RawTile<Tr> raw;
+      if constexpr (Tr::kConvert && kHasNext) load_raw<Tr>(sKv_shared + (stage ^ 1) * Tr::kTileBytes, tid, raw);
 
       // New running max, P, and the rescaled O (PV(t-1) has completed).
       float m_use[2], correction[2];
@@ -372,22 +426,41 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
           *reinterpret_cast<uint4*>(dst + qk_chunk_offset(row, chunk)) = make_uint4(0u, 0u, 0u, 0u);
         }
       }
-      cute::cp_async_wait<0>();  // tile t+1 (the only group in flight)
-      fence_smem_for_wgmma();
-      if constexpr (kHasNext) wait_tile(t + 1);
-      __syncthreads();  // P(t) complete, tile t+1 visible; sRed free again
-
-      // O += P V over this warpgroup's 256 output columns, then S(t+1).
-      warpgroup_fence_operand(tOrO);
-      warpgroup_arrive();
-      gemm(mma_o, tOrP, v_operand(t), tOrO);
-      warpgroup_commit_batch();
-      if constexpr (kHasNext) {
+      if constexpr (Tr::kConvert && kHasNext) {
+        // FP8: P V(t) starts as soon as P(t) is complete, and tile t+1 is
+        // converted into the other stage while it runs. That stage's last
+        // readers (S(t-1), P V(t-1)) are done, and after this barrier so are
+        // all reads of its raw bytes; S(t+1) follows the next barrier.
+        fence_smem_for_wgmma();
+        __syncthreads();  // P(t) complete, raw bytes of tile t+1 read; sRed free again
+        warpgroup_fence_operand(tOrO);
+        warpgroup_arrive();
+        gemm(mma_o, tOrP, v_operand(t), tOrO);
+        warpgroup_commit_batch();
+        store_converted<Tr>(sKv_shared + (stage ^ 1) * Tr::kTileBytes, tid, raw);
+        fence_smem_for_wgmma();
+        __syncthreads();  // tile t+1 converted
         issue_s(t + 1);
         warpgroup_commit_batch();
         warpgroup_wait<1>();  // this warpgroup's PV(t) done
       } else {
-        warpgroup_wait<0>();
+        cute::cp_async_wait<0>();  // tile t+1 (the only group in flight)
+        fence_smem_for_wgmma();
+        if constexpr (kHasNext) wait_tile(t + 1);
+        __syncthreads();  // P(t) complete, tile t+1 visible; sRed free again
+
+        // O += P V over this warpgroup's 256 output columns, then S(t+1).
+        warpgroup_fence_operand(tOrO);
+        warpgroup_arrive();
+        gemm(mma_o, tOrP, v_operand(t), tOrO);
+        warpgroup_commit_batch();
+        if constexpr (kHasNext) {
+          issue_s(t + 1);
+          warpgroup_commit_batch();
+          warpgroup_wait<1>();  // this warpgroup's PV(t) done
+        } else {
+          warpgroup_wait<0>();
+        }
       }
       warpgroup_fence_operand(tOrO);
       if constexpr (kHasNext) {

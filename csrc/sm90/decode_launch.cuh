@@ -14,8 +14,15 @@ template <typename Tr>
 cudaError_t launch_decode(const PagedDecodeParams& p, const DecodeWorkspace& ws, const SplitSchedule& schedule,
                           bool seesaw, cudaStream_t stream) {
   KvTma tma;
-  make_kv_tma(p, &tma);
-  if (seesaw && !tma.enabled) return cudaErrorNotSupported;
+  tma.enabled = 0;
+  if constexpr (Tr::kConvert) {
+    // FP8 rows: the lock-step kernel gathers them with cp.async and
+    // converts them on chip; there is no seesaw instantiation for them.
+    if (seesaw) return cudaErrorNotSupported;
+  } else {
+    make_kv_tma(p, &tma);
+    if (seesaw && !tma.enabled) return cudaErrorNotSupported;
+  }
   const int rows = p.rows_per_request();
   dim3 grid((rows + Tr::kBlockM - 1) / Tr::kBlockM, schedule.num_parts);
   // Only the seesaw kernel schedules itself.
@@ -26,9 +33,12 @@ cudaError_t launch_decode(const PagedDecodeParams& p, const DecodeWorkspace& ws,
   if (s.schedule_in_decode && ws.item_regions < static_cast<int>(grid.x)) return cudaErrorInvalidValue;
   // The block schedule is its own instantiation of the seesaw kernel, so the
   // other modes run a kernel without its code.
-  const void* kernel = !seesaw ? reinterpret_cast<const void*>(decode_kernel<Tr>)
-                       : s.schedule_in_decode ? reinterpret_cast<const void*>(decode_seesaw_kernel<Tr, true>)
-                                              : reinterpret_cast<const void*>(decode_seesaw_kernel<Tr, false>);
+  const void* kernel = reinterpret_cast<const void*>(decode_kernel<Tr>);
+  if constexpr (!Tr::kConvert) {
+    if (seesaw)
+      kernel = s.schedule_in_decode ? reinterpret_cast<const void*>(decode_seesaw_kernel<Tr, true>)
+                                    : reinterpret_cast<const void*>(decode_seesaw_kernel<Tr, false>);
+  }
   cudaError_t err = smxx::set_max_dynamic_smem_once(kernel, Tr::kSmemAlloc);
   if (err != cudaSuccess) return err;
   if (!s.inline_schedule && !s.schedule_in_decode) {
@@ -37,10 +47,12 @@ cudaError_t launch_decode(const PagedDecodeParams& p, const DecodeWorkspace& ws,
   }
   if (!seesaw) {
     decode_kernel<Tr><<<grid, Tr::kThreads, Tr::kSmemAlloc, stream>>>(p, ws, tma);
-  } else if (s.schedule_in_decode) {
-    decode_seesaw_kernel<Tr, true><<<grid, Tr::kThreads, Tr::kSmemAlloc, stream>>>(p, ws, s, tma);
-  } else {
-    decode_seesaw_kernel<Tr, false><<<grid, Tr::kThreads, Tr::kSmemAlloc, stream>>>(p, ws, s, tma);
+  } else if constexpr (!Tr::kConvert) {
+    if (s.schedule_in_decode) {
+      decode_seesaw_kernel<Tr, true><<<grid, Tr::kThreads, Tr::kSmemAlloc, stream>>>(p, ws, s, tma);
+    } else {
+      decode_seesaw_kernel<Tr, false><<<grid, Tr::kThreads, Tr::kSmemAlloc, stream>>>(p, ws, s, tma);
+    }
   }
   return cudaGetLastError();
 }

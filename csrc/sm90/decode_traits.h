@@ -28,9 +28,18 @@
 namespace mla_jax {
 namespace sm90 {
 
-template <typename QType_>
+// How the cache's rows reach the wgmma operands.
+enum class KvLoad : int {
+  kNative = 0,  // bf16/fp16 rows in the query dtype: copied straight into the swizzled tile
+  kFp8 = 1,     // e4m3 ckv and kpe with one kv_scale: staged as bytes, converted exactly
+  kDsMla = 2,   // fp8_ds_mla 656-byte rows: e4m3 ckv times its group's float32 scale, bf16 kpe
+};
+
+template <typename QType_, KvLoad kLoad_ = KvLoad::kNative>
 struct DecodeTraits {
-  using QType = QType_;  // __nv_bfloat16 or __half: query, cache, MMA and output type
+  using QType = QType_;  // __nv_bfloat16 or __half: query, MMA and output type (and the cache's, kNative)
+  static constexpr KvLoad kLoad = kLoad_;
+  static constexpr bool kConvert = kLoad != KvLoad::kNative;
   using Elem = std::conditional_t<std::is_same_v<QType, __nv_bfloat16>, cute::bfloat16_t, cute::half_t>;
 
   static constexpr int kDimNope = 512;  // kv_lora_rank (= V and output width)
@@ -108,6 +117,23 @@ struct DecodeTraits {
   static constexpr int kKvChunksWg0 = kOCols / 8 / kThreadsPerRow;                // per thread
   static constexpr int kKvChunksWg1 = (kChunks - kOCols / 8) / kThreadsPerRow;  // per thread
   static_assert(kChunks % kThreadsPerRow == 0 && kBlockN % kKvRowsPerPass == 0);
+
+  // FP8 caches (kConvert, lock-step kernel only): the copies bring a tile's
+  // raw bytes into its own stage, at offsets inside the region of the
+  // warpgroup that issues them (warpgroup 0: bytes [0, 32 KB), the V half
+  // its P V reads; warpgroup 1: the rest), and the CTA converts them in
+  // place before S reads the tile: every thread reads all of its raw bytes
+  // into registers, one barrier, then writes the converted chunks. So the
+  // raw offsets only need to stay clear of each other, not of the output.
+  // The ds_mla rope is bf16 already: with a bf16 query it is copied
+  // straight into its block like a native row.
+  static constexpr int kRawNopeLo = 0;       // ckv bytes [0, 256) of 64 rows, 256 bytes a row (warpgroup 0)
+  static constexpr int kRawScales = 16384;   // kDsMla: the 4 float32 scales of 64 rows (warpgroup 0)
+  static constexpr int kRawNopeHi = 32768;   // ckv bytes [256, 512) of 64 rows (warpgroup 1)
+  static constexpr int kRawRope = 49152;     // kpe: 64 e4m3 (kFp8) or 64 bf16 (kDsMla, fp16 query) a row
+  static constexpr bool kRopeDirect = kLoad == KvLoad::kDsMla && std::is_same_v<QType, __nv_bfloat16>;
+  static constexpr int kRawRopeBytes = kLoad == KvLoad::kFp8 ? 64 : 128;  // per row
+  static_assert(kRawScales + kBlockN * 16 <= kRawNopeHi && kRawRope + kBlockN * 128 <= 8 * 8192);
   static_assert(kWarpgroups == 2 && (kOCols / 8) % kThreadsPerRow == 0);
 };
 

@@ -1,0 +1,185 @@
+#!/usr/bin/env python3
+"""Benchmark of mla_jax.paged_decode over a dense FP8 cache against the same cache in bf16.
+
+Every row times, in one process on the same data (page 64, bf16 query,
+scattered block table, method of bench_paged_decode.py: a jitted program of n
+chained calls, each on its own query, block_table/seq_lens fed as fresh host
+arrays; per call = median wall-clock slope between two n; GPU time = slope of
+the profiler trace's kernel span):
+
+  fp8       the float8_e4m3fn cache with kv_scale, the kernel auto-selection picks;
+  bf16      the bf16 cache holding the same dequantised values (what FP8 must beat);
+  portable  the FP8 cache on the portable mma.sync kernel (forced through the plan).
+
+Each variant's output is checked against the float64 reference on two requests.
+Bytes follow FlashMLA's convention with the cache's element size (1 for FP8):
+(sum_seq * 576 * kv_bytes + B * q_len * H * (576 + 512) * 2).
+
+  python benchmarks/bench_fp8_decode.py --out benchmarks/results/h200_fp8.json
+  python benchmarks/bench_fp8_decode.py --smoke --backend cpu     # CPU check of the script
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_paged_decode import (PAGE_SIZE, SM_SCALE, chain_program, compile_prog, device_slope,  # noqa: E402
+                                git_commit, make_block_table, mla_jax_env, pick_n, source_digest, time_slope,
+                                write_json)
+
+KV_SCALE = 0.05
+# (B, q_len, H, seq)
+ROWS = [(128, 1, 16, 8192), (128, 1, 128, 4096), (8, 1, 16, 42000), (128, 1, 64, 8192), (32, 1, 128, 4096),
+        (128, 2, 128, 4096)]
+SMOKE_ROWS = [(2, 1, 16, 200), (2, 2, 64, 130)]
+VARIANTS = ("fp8", "bf16", "portable")
+
+
+def counts(b, q, h, seq, kv_bytes):
+  sum_seq = b * seq
+  flops = 2 * q * sum_seq * h * (576 + 512)
+  nbytes = sum_seq * 576 * kv_bytes + b * q * h * (576 + 512) * 2
+  return flops, nbytes
+
+
+def bench_row(b, q, h, seq, args, ceilings):
+  import jax
+  import jax.numpy as jnp
+  import mla_jax
+  from mla_jax.testing import reference_paged_decode
+
+  lens = np.full(b, seq, np.int32)
+  bt, num_pages = make_block_table(np.random.default_rng(b + q + h), lens)
+  key = jax.random.key(b * 7 + h)
+  latent = jax.random.normal(key, (num_pages, PAGE_SIZE, 576), jnp.float32)
+  fp8 = (latent / KV_SCALE).astype(jnp.float8_e4m3fn)
+  bf16 = (fp8.astype(jnp.float32) * KV_SCALE).astype(jnp.bfloat16)  # the same values, dequantised
+  del latent
+  kv_scale = jnp.asarray(KV_SCALE, jnp.float32)
+  rot = 1 if args.smoke else max(1, math.ceil(120e6 / fp8.nbytes))
+  est_us = counts(b, q, h, seq, 1)[1] / 4e12 * 1e6
+  n_lo, n_hi = (1, 2) if args.smoke else pick_n(1.5 * est_us, 6000, 6, 40)
+  reps = 2 if args.smoke else 10
+  qs = [jax.random.normal(jax.random.key(100 + i), (b, q, h, 576), jnp.float32).astype(jnp.bfloat16)
+        for i in range(n_hi)]
+  rec = dict(b=b, q_len=q, h=h, seq=seq, kv_scale=KV_SCALE, n_lo=n_lo, n_hi=n_hi, reps=reps, cache_copies=rot)
+  sel = np.arange(min(2, b))
+  live = -(-seq // PAGE_SIZE)
+  for variant in VARIANTS:
+    cache = bf16 if variant == "bf16" else fp8
+    caches = [cache] + [jnp.array(cache, copy=True) for _ in range(rot - 1)]
+    kernel = "portable" if variant == "portable" else "auto"
+    plan = mla_jax.DecodePlan(num_heads=h, page_size=PAGE_SIZE, sm_scale=SM_SCALE, q_len=q, causal=q > 1,
+                              backend=args.backend, kernel=kernel)
+    scale = None if variant == "bf16" else kv_scale
+
+    def step(x, c, shared, plan=plan, scale=scale):
+      return mla_jax.paged_decode(x, c, shared[0], shared[1], plan=plan, return_lse=True, kv_scale=scale)
+
+    try:
+      e = mla_jax.explain(plan, qs[0], cache, bt, lens, kv_scale=scale)
+      chosen = e.kernel.kernel if e.kernel is not None else e.backend
+      a = (tuple(qs), tuple(caches), (bt, lens))
+      lo, _ = compile_prog(chain_program(step, n_lo, rot), *a)
+      hi, _ = compile_prog(chain_program(step, n_hi, rot), *a)
+      per_call, wall, slopes, keep = time_slope(lo, hi, a, n_lo, n_hi, reps)
+      dev = None if args.no_device_time else device_slope(lo, hi, a, n_lo, n_hi)
+      out, lse = keep[0]
+      ids = bt[sel, :live]
+      sub_bt = np.arange(ids.size, dtype=np.int32).reshape(ids.shape)
+      ref_cache = np.asarray(cache[ids.reshape(-1)].astype(jnp.float32))
+      ref_out, _ = reference_paged_decode(np.asarray(qs[0][sel].astype(jnp.float32)), ref_cache, sub_bt, lens[sel],
+                                          plan, kv_scale=1.0 if scale is None else KV_SCALE)
+      got = np.asarray(out[sel].astype(jnp.float32), np.float64)
+      relerr = float(np.linalg.norm(got - ref_out) / np.linalg.norm(ref_out))
+      flops, nbytes = counts(b, q, h, seq, 1 if variant != "bf16" else 2)
+      us = per_call * 1e6
+      r = dict(kernel=chosen, us=us, us_wall=wall * 1e6, samples_us=[round(s * 1e6, 2) for s in slopes],
+               tflops=flops / us / 1e6, gbs=nbytes / us / 1e3, relerr=relerr,
+               ok=bool(np.isfinite(relerr) and relerr <= 1e-2))
+      if dev and "s" in dev:
+        r["gpu_us"] = dev["s"] * 1e6
+      if ceilings:
+        r["pct_copy"] = 100 * nbytes / (us * 1e-6) / ceilings["memcpy"]["bw_Bps"]
+      del keep, lo, hi
+    except Exception as e:  # noqa: BLE001 - record and go on
+      r = dict(error=f"{type(e).__name__}: {e}"[:400], ok=False)
+    rec[variant] = r
+    del caches
+  f, bf, pt = rec["fp8"], rec["bf16"], rec["portable"]
+  rec.update(kind="dense_fp8", mla_jax_us=f.get("us"), mla_jax_gpu_us=f.get("gpu_us"), bf16_us=bf.get("us"),
+             portable_us=pt.get("us"))
+  if "us" in f and "us" in bf:
+    rec["bf16_over_fp8"] = bf["us"] / f["us"]
+  if "us" in f and "us" in pt:
+    rec["portable_over_fp8"] = pt["us"] / f["us"]
+  return rec
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--backend", default="auto")
+  ap.add_argument("--out", default=None, help="JSON results path")
+  ap.add_argument("--commit", default=None)
+  ap.add_argument("--rows", default="", help="comma list of row indices")
+  ap.add_argument("--smoke", action="store_true", help="tiny shapes: a CPU check of the script")
+  ap.add_argument("--no-device-time", action="store_true")
+  args = ap.parse_args(argv)
+  # torch (FlashMLA, the copy ceiling) shares the GPU: JAX must not take 75 % of it up front.
+  os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+  import jax
+  dev = jax.devices()[0]
+  rows_spec = SMOKE_ROWS if args.smoke else ROWS
+  if args.rows:
+    rows_spec = [rows_spec[int(i)] for i in args.rows.split(",")]
+  ceilings = None
+  if dev.platform == "gpu" and not args.smoke:
+    import flashmla_peer
+    peer, why = flashmla_peer.load()
+    ceilings = peer.ceilings() if peer is not None else None
+  commit, dirty = git_commit(args.commit)
+  meta = dict(benchmark="paged_decode dense FP8 vs bf16", device=dev.device_kind, platform=dev.platform,
+              date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              commit=commit, dirty=dirty, source_digest=source_digest(), env=mla_jax_env(), jax=jax.__version__,
+              backend=args.backend, ceilings=ceilings,
+              method="median wall-clock slope of chained jitted calls (bench_paged_decode.py); gpu_us: "
+                     "profiler-trace slope; block_table/seq_lens fed as host arrays every execution",
+              flops="2*q_len*sum_seq*H*(576+512)",
+              bytes="sum_seq*576*kv_bytes + B*q_len*H*(576+512)*2")
+  rows = []
+  for spec in rows_spec:
+    rows.append(bench_row(*spec, args, ceilings))
+    if args.out:
+      write_json(Path(args.out), meta, rows, False)
+  if args.out:
+    write_json(Path(args.out), meta, rows, True)
+  print(f"== paged_decode FP8 cache | {dev.device_kind} | jax {jax.__version__} | commit {commit}")
+  if ceilings:
+    print(f"copy ceiling {ceilings['memcpy']['bw_Bps'] / 1e12:.2f} TB/s (torch memcpy, same run)")
+  print(f"{'B':>4} {'q':>2} {'H':>4} {'seq':>6} | {'fp8 us':>8} {'gpu':>8} {'GB/s':>6} {'kernel':>14} | "
+        f"{'bf16 us':>8} {'bf16/fp8':>8} | {'portable':>8} {'port/fp8':>8} | relerr fp8")
+  ok = True
+  for r in rows:
+    f, bf, pt = r["fp8"], r["bf16"], r["portable"]
+    ok &= all(v.get("ok", False) for v in (f, bf, pt))
+    cell = lambda v, k, fmt: format(v[k], fmt) if k in v else "-"
+    print(f"{r['b']:>4} {r['q_len']:>2} {r['h']:>4} {r['seq']:>6} | {cell(f, 'us', '8.1f'):>8} "
+          f"{cell(f, 'gpu_us', '8.1f'):>8} {cell(f, 'gbs', '6.0f'):>6} {f.get('kernel', 'ERROR'):>14} | "
+          f"{cell(bf, 'us', '8.1f'):>8} {cell(r, 'bf16_over_fp8', '8.2f'):>8} | {cell(pt, 'us', '8.1f'):>8} "
+          f"{cell(r, 'portable_over_fp8', '8.2f'):>8} | {cell(f, 'relerr', '.1e')}")
+    for name in VARIANTS:
+      if "error" in r[name]:
+        print(f"     {name}: {r[name]['error']}")
+  return 0 if ok else 1
+
+
+if __name__ == "__main__":
+  sys.exit(main())
