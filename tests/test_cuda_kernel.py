@@ -557,32 +557,51 @@ def test_equal_pieces_schedule_when_requests_are_few(heads, k, seq_len):
 
 
 @pytest.mark.parametrize("kernel", ["auto", "sm90_lockstep", "portable"])
-@pytest.mark.parametrize("heads,q_len,page_size,dtype", [
-    (128, 1, 64, jnp.bfloat16),
-    (64, 2, 16, jnp.float16),
-    (96, 1, 1, jnp.bfloat16),
-    (33, 2, 256, jnp.bfloat16),
-    (16, 4, 64, jnp.float16),
-    (128, 4, 32, jnp.bfloat16),
+@pytest.mark.parametrize("heads,q_len,page_size,dtype,layout", [
+    (128, 1, 64, jnp.bfloat16, "packed"),
+    (64, 2, 16, jnp.float16, "pair"),
+    (96, 1, 1, jnp.bfloat16, "packed"),
+    (33, 2, 256, jnp.bfloat16, "packed"),
+    (16, 4, 64, jnp.float16, "packed"),
+    (128, 4, 32, jnp.bfloat16, "pair"),
 ])
-def test_fp8_cache_kernels(kernel, heads, q_len, page_size, dtype):
+def test_fp8_cache_kernels(kernel, heads, q_len, page_size, dtype, layout):
   # More than 32 query rows run the lock-step wgmma kernel on sm_90 (auto),
-  # which converts the e4m3 rows on chip; against the reference and the
-  # portable kernel, with ragged and zero lengths, splits, MTP and bad pages.
+  # which converts the e4m3 rows on chip; against the reference with ragged
+  # and zero lengths, splits, MTP, bad pages, both cache layouts, and NaN
+  # (e4m3 0x7F) in every slot no valid request may read.
   if kernel == "sm90_lockstep" and not _hopper_kernels_available():
     pytest.skip("the lock-step kernel needs an sm_90 GPU and a build with sm_90a code")
   rng = np.random.default_rng(heads + 3 * q_len + page_size)
   lens = [0, 1, q_len, 63, 64, 65, max(page_size - 1, 1), page_size + 1, 2500, 11000, 300, 300]
   d = random_paged_inputs(rng, lens, num_heads=heads, page_size=page_size, q_len=q_len)
-  d["kv_cache"] = d["kv_cache"] * 8.0                     # use the e4m3 range
-  d["block_table"][-2, 1] = d["kv_cache"].shape[0] + 3    # a live page id outside the cache: NaN request
-  d["seq_lens"][-1] = -2                                  # negative length: NaN request
+  bt, sl = d["block_table"], d["seq_lens"]
+  kv = d["kv_cache"] * 8.0                                # use the e4m3 range
+  seen = np.zeros(kv.shape[:2], bool)
+  for b, n in enumerate(sl[:-2]):
+    pos = np.arange(n)
+    seen[bt[b, pos // page_size], pos % page_size] = True
+  kv[~seen] = np.nan
+  bt[-2, 1] = kv.shape[0] + 3                             # a live page id outside the cache: NaN request
+  sl[-1] = -2                                             # negative length: NaN request
+  kv8 = jnp.asarray(kv, jnp.float8_e4m3fn)
+  cache = kv8 if layout == "packed" else (kv8[..., :512], kv8[..., 512:])
+  q = jnp.asarray(d["query"], dtype)
   plan = mla_jax.DecodePlan(num_heads=heads, page_size=page_size, sm_scale=SM_SCALE, q_len=q_len,
                             causal=q_len > 1, backend="cuda", kernel=kernel)
   if kernel == "auto" and _hopper_kernels_available():
-    got = mla_jax.explain(plan, jnp.zeros(d["query"].shape, dtype), jnp.zeros(d["kv_cache"].shape, jnp.float8_e4m3fn),
-                          d["block_table"], d["seq_lens"], kv_scale=jnp.float32(0.37))
+    got = mla_jax.explain(plan, q, cache, bt, sl, kv_scale=jnp.float32(0.37))
     assert got.kernel.kernel == "sm90_lockstep", str(got)
-  out, lse, ref_out, ref_lse = _run(d, plan, dtype, kv_dtype=jnp.float8_e4m3fn, kv_scale=0.37)
-  assert np.isnan(ref_lse[-2:]).all()
+  _poison_allocator()
+  out, lse = mla_jax.paged_decode(q, cache, jnp.asarray(bt), jnp.asarray(sl), plan=plan, return_lse=True,
+                                  kv_scale=jnp.float32(0.37))
+  ref_out, ref_lse = reference_paged_decode(np.asarray(q.astype(jnp.float32)), np.asarray(kv8.astype(jnp.float32)),
+                                            bt, sl, plan, kv_scale=0.37)
+  out, lse = np.asarray(out.astype(jnp.float32)), np.asarray(lse)
+  assert np.isnan(ref_lse[-2:]).all() and np.isfinite(ref_lse[8]).all()
   _check(out, lse, ref_out, ref_lse, tol=2e-2)
+  # Row by row too: an error confined to one tile or request must not hide in the global norm.
+  ok = np.isfinite(ref_lse) & ~np.isneginf(ref_lse)
+  norms = np.linalg.norm(ref_out[ok], axis=-1)
+  worst = (np.linalg.norm(out[ok] - ref_out[ok], axis=-1)[norms > 0] / norms[norms > 0]).max()
+  assert worst <= 2e-2, f"worst row relative error {worst:.3g}"

@@ -174,8 +174,9 @@ Selection select_kernel(const DecodeFacts& f, const KernelConfig& requested, std
       if (c.kernel == KernelFamily::kSm90Seesaw && !plain16)
         return fail("kernel 'sm90_seesaw' serves bf16/fp16 caches in the query dtype, pages laid end to end, only");
       if (c.kernel == KernelFamily::kSm90Lockstep && !plain16 && !fp8_lockstep)
-        return fail("kernel 'sm90_lockstep' serves bf16/fp16 caches in the query dtype and FP8 caches (e4m3 with "
-                    "kv_scale, fp8_ds_mla), pages laid end to end and 16-byte aligned rows, only");
+        return fail("kernel 'sm90_lockstep' serves bf16/fp16 caches in the query dtype with pages laid end to end, "
+                    "and FP8 caches (e4m3 with kv_scale, fp8_ds_mla) with pages laid end to end and 16-byte "
+                    "aligned rows, only");
       if (c.kernel == KernelFamily::kSm90Seesaw && !tma)
         return fail("kernel 'sm90_seesaw' needs TMA loads: paged decode with page_size a multiple of 64 and "
                     "16-byte aligned cache rows");
