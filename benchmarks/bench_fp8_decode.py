@@ -31,9 +31,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_paged_decode import (PAGE_SIZE, SM_SCALE, chain_program, compile_prog, device_slope,  # noqa: E402
-                                git_commit, make_block_table, mla_jax_env, pick_n, source_digest, time_slope,
-                                write_json)
+from bench_paged_decode import (PAGE_SIZE, SM_SCALE, git_commit, make_block_table, mla_jax_env,  # noqa: E402
+                                pick_n, source_digest, time_chained, write_json)
 
 KV_SCALE = 0.05
 # (B, q_len, H, seq)
@@ -88,10 +87,7 @@ def bench_row(b, q, h, seq, args, ceilings):
       e = mla_jax.explain(plan, qs[0], cache, bt, lens, kv_scale=scale)
       chosen = e.kernel.kernel if e.kernel is not None else e.backend
       a = (tuple(qs), tuple(caches), (bt, lens))
-      lo, _ = compile_prog(chain_program(step, n_lo, rot), *a)
-      hi, _ = compile_prog(chain_program(step, n_hi, rot), *a)
-      per_call, wall, slopes, keep = time_slope(lo, hi, a, n_lo, n_hi, reps)
-      dev = None if args.no_device_time else device_slope(lo, hi, a, n_lo, n_hi)
+      per_call, wall, slopes, gpu_s, keep = time_chained(step, a, n_lo, n_hi, reps, rot, not args.no_device_time)
       out, lse = keep[0]
       ids = bt[sel, :live]
       sub_bt = np.arange(ids.size, dtype=np.int32).reshape(ids.shape)
@@ -105,11 +101,11 @@ def bench_row(b, q, h, seq, args, ceilings):
       r = dict(kernel=chosen, us=us, us_wall=wall * 1e6, samples_us=[round(s * 1e6, 2) for s in slopes],
                tflops=flops / us / 1e6, gbs=nbytes / us / 1e3, relerr=relerr,
                ok=bool(np.isfinite(relerr) and relerr <= 1e-2))
-      if dev and "s" in dev:
-        r["gpu_us"] = dev["s"] * 1e6
+      if gpu_s:
+        r["gpu_us"] = gpu_s * 1e6
       if ceilings:
         r["pct_copy"] = 100 * nbytes / (us * 1e-6) / ceilings["memcpy"]["bw_Bps"]
-      del keep, lo, hi
+      del keep
     except Exception as e:  # noqa: BLE001 - record and go on
       r = dict(error=f"{type(e).__name__}: {e}"[:400], ok=False)
     rec[variant] = r

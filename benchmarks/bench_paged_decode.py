@@ -307,6 +307,19 @@ def chain_program(step, n, n_caches=1, feed=False):
   return jax.jit(prog, keep_unused=True)
 
 
+def time_chained(step, args, n_lo, n_hi, reps, n_caches, device_time=True):
+  """chain_program(step) at n_lo and n_hi calls over args = (xs, caches, shared), timed.
+
+  Returns (per-call s, wall_median_s, per-rep slopes, device-trace per-call s or None,
+  outputs of one n_lo run), as time_slope and device_slope measure them.
+  """
+  lo, _ = compile_prog(chain_program(step, n_lo, n_caches), *args)
+  hi, _ = compile_prog(chain_program(step, n_hi, n_caches), *args)
+  per_call, wall, slopes, keep = time_slope(lo, hi, args, n_lo, n_hi, reps)
+  dev = device_slope(lo, hi, args, n_lo, n_hi) if device_time else None
+  return per_call, wall, slopes, (dev["s"] if dev and "s" in dev else None), keep
+
+
 def compile_prog(jitted, *args):
   t0 = time.perf_counter()
   c = jitted.lower(*args).compile()

@@ -31,8 +31,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_paged_decode import (chain_program, compile_prog, device_slope, git_commit, mla_jax_env,  # noqa: E402
-                                source_digest, time_slope, write_json)
+from bench_paged_decode import git_commit, mla_jax_env, source_digest, time_chained, write_json  # noqa: E402
 
 PAGE_SIZE = 64
 POOL_TOKENS = 65536
@@ -79,13 +78,7 @@ def bench_row(b, q, h, k, args, pool_tokens, peer):
       e = mla_jax.explain(plan, qs[0], cache, indices)
       chosen = e.kernel.kernel if e.kernel is not None else e.backend
       a = (qs, caches, indices)
-      lo, _ = compile_prog(chain_program(step, n_lo, rot), qs[:n_lo], caches, indices)
-      hi, _ = compile_prog(chain_program(step, n_hi, rot), *a)
-      lo_args = (qs[:n_lo], caches, indices)
-      per_call, wall, slopes, keep = time_slope(lambda *_: lo(*lo_args), hi, a, n_lo, n_hi, reps)
-      dev = None
-      if not args.no_device_time:
-        dev = device_slope(lambda *_: lo(*lo_args), hi, a, n_lo, n_hi)
+      per_call, wall, slopes, gpu_s, keep = time_chained(step, a, n_lo, n_hi, reps, rot, not args.no_device_time)
       out, lse = keep[0]
       if ref is None:
         ref = reference_sparse_decode(np.asarray(qs[0][sel].astype(jnp.float32)), np.asarray(cache),
@@ -95,9 +88,9 @@ def bench_row(b, q, h, k, args, pool_tokens, peer):
       r = dict(kernel=chosen, us=us, us_wall=wall * 1e6, samples_us=[round(x * 1e6, 2) for x in slopes],
                tflops=flops / us / 1e6, gbs=nbytes / us / 1e3, relerr=relerr,
                ok=bool(np.isfinite(relerr) and relerr <= 2e-2))
-      if dev and "s" in dev:
-        r["gpu_us"] = dev["s"] * 1e6
-      del keep, lo, hi
+      if gpu_s:
+        r["gpu_us"] = gpu_s * 1e6
+      del keep
     except Exception as e:  # noqa: BLE001 - record and go on
       r = dict(error=f"{type(e).__name__}: {e}"[:300], ok=False)
     rec[variant] = r
