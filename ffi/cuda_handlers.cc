@@ -29,21 +29,6 @@ struct KernelAttrs {
   int64_t workspace_parts;          // partitions the workspace holds
 };
 
-// Bases and row strides of the cache 16-byte aligned (select_kernel's kv_aligned).
-bool kv_rows_aligned(const PagedDecodeParams& p) {
-  const int64_t eb = elem_bytes(p.kv_type);
-  auto ok = [&](const void* base, int64_t token_stride) {
-    return reinterpret_cast<uintptr_t>(base) % 16 == 0 && (token_stride * eb) % 16 == 0;
-  };
-  return ok(p.ckv, p.ckv_token_stride) && ok(p.kpe, p.kpe_token_stride);
-}
-
-// Pages of ckv and kpe laid end to end (select_kernel's kv_pages_contiguous).
-bool kv_pages_contiguous(const PagedDecodeParams& p) {
-  return p.ckv_page_stride == int64_t{p.page_size} * p.ckv_token_stride &&
-         p.kpe_page_stride == int64_t{p.page_size} * p.kpe_token_stride;
-}
-
 // What a call launches with.
 struct Launch {
   KernelConfig config;  // resolved
@@ -60,24 +45,8 @@ ffi::Error prepare(const char* op, DecodeOp kind, int device_ordinal, const Page
   if (attrs.workspace_parts < 1 || attrs.workspace_parts > (int64_t{1} << 20))
     return invalid_argument(op, "workspace_parts must be in [1, 2^20], got " + std::to_string(attrs.workspace_parts));
 
-  DecodeFacts f;
-  f.op = kind;
-  f.q_type = p.q_type;
-  f.kv_type = p.kv_type;
-  f.kv_format = p.kv_format;
-  f.kv_lora_rank = p.kv_lora_rank;
-  f.qk_rope_head_dim = p.qk_rope_head_dim;
-  f.page_size = p.page_size;
-  f.q_len = p.q_len;
-  f.num_heads = p.num_heads;
-  f.batch = p.batch;
-  f.num_pages = p.num_pages;
-  f.kv_aligned = kv_rows_aligned(p);
-  f.kv_pages_contiguous = kv_pages_contiguous(p);
-  f.arch = dev.arch;
-  f.sm_count = dev.sm_count;
-  f.build_sm90a = build_has_sm90a();
-  f.workspace_parts = static_cast<int>(attrs.workspace_parts);
+  const DecodeFacts f = call_facts(kind, p, dev.arch, dev.sm_count, build_has_sm90a(),
+                                   static_cast<int>(attrs.workspace_parts));
   // On the device the configuration was chosen for, it only needs
   // checking; a fact that turns out otherwise than assumed at trace time
   // (a build without sm_90a code, a cache beyond TMA's range) or another
@@ -102,14 +71,7 @@ ffi::Error prepare(const char* op, DecodeOp kind, int device_ordinal, const Page
     return invalid_argument(op, "the workspace result is too small or misaligned for this call (" +
                                     std::to_string(workspace->size_bytes()) + " bytes, needs " +
                                     std::to_string(layout.total) + ")");
-  DecodeWorkspace* ws = &launch->ws;
-  ws->request_meta = reinterpret_cast<int32_t*>(base + layout.request_meta);
-  ws->part_begin = reinterpret_cast<int32_t*>(base + layout.part_begin);
-  ws->items = reinterpret_cast<int32_t*>(base + layout.items);
-  ws->out_accum = reinterpret_cast<float*>(base + layout.out_accum);
-  ws->lse_accum = reinterpret_cast<float*>(base + layout.lse_accum);
-  ws->max_items = static_cast<int>(layout.max_items);
-  ws->item_regions = layout.item_regions;
+  launch->ws = carve_workspace(base, layout);
   launch->num_parts = num_partitions(dev.sm_count, rows, static_cast<int>(attrs.workspace_parts));
   return ffi::Error::Success();
 }

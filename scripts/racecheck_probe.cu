@@ -13,6 +13,13 @@
 // Hazards reported here mean racecheck does not model bar.arrive hand-offs,
 // so the seesaw kernel's reports on the same pattern are not evidence of a
 // race. No hazards here leave those reports to be explained.
+//
+// The seesaw kernel's epilogue (write_item_output) also draws reports,
+// between accesses that __syncthreads separates, while the lock-step kernel
+// runs the same epilogue without any. So the program also runs such a
+// __syncthreads-ordered exchange twice: after the hand-off (handoff_then_staging)
+// and alone (staging_only). Reports on the first and none on the second
+// mean that racecheck misorders block barriers after a bar.arrive hand-off.
 #include <cstdio>
 
 namespace {
@@ -28,8 +35,19 @@ __device__ __forceinline__ void bar_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 
-__global__ void __launch_bounds__(256) handoff(int* out) {
-  __shared__ float slot[128];
+// Every thread writes its own word, the block synchronises, every thread
+// reads another thread's word, the block synchronises again.
+__device__ __forceinline__ void staging_exchange(float* stage, int* out) {
+  for (int it = 0; it < 8; ++it) {
+    stage[threadIdx.x] = static_cast<float>(it * 256 + threadIdx.x);
+    __syncthreads();
+    const int from = (threadIdx.x + 37) % 256;
+    if (stage[from] != static_cast<float>(it * 256 + from)) atomicAdd(out, 1);
+    __syncthreads();
+  }
+}
+
+__device__ __forceinline__ void handoff_body(float* slot, int* out) {
   const int wg = threadIdx.x / 128, t = threadIdx.x % 128;
   float acc = 0.f;
   for (int it = 0; it < kIters; ++it) {
@@ -50,6 +68,24 @@ __global__ void __launch_bounds__(256) handoff(int* out) {
   }
 }
 
+__global__ void __launch_bounds__(256) handoff(int* out) {
+  __shared__ float slot[128];
+  handoff_body(slot, out);
+}
+
+__global__ void __launch_bounds__(256) handoff_then_staging(int* out) {
+  __shared__ float slot[128];
+  __shared__ float stage[256];
+  handoff_body(slot, out);
+  __syncthreads();
+  staging_exchange(stage, out);
+}
+
+__global__ void __launch_bounds__(256) staging_only(int* out) {
+  __shared__ float stage[256];
+  staging_exchange(stage, out);
+}
+
 }  // namespace
 
 int main() {
@@ -57,6 +93,8 @@ int main() {
   if (cudaMalloc(&d_out, sizeof(int)) != cudaSuccess) return 2;
   cudaMemset(d_out, 0, sizeof(int));
   handoff<<<4, 256>>>(d_out);
+  handoff_then_staging<<<4, 256>>>(d_out);
+  staging_only<<<4, 256>>>(d_out);
   int wrong = -1;
   const cudaError_t err = cudaMemcpy(&wrong, d_out, sizeof(int), cudaMemcpyDeviceToHost);
   cudaFree(d_out);

@@ -113,6 +113,19 @@ struct DecodeWorkspace {
   int item_regions = 1;        // regions of max_items entries in items
 };
 
+// The regions of a workspace buffer at `base` laid out by `layout`.
+inline DecodeWorkspace carve_workspace(char* base, const WorkspaceLayout& layout) {
+  DecodeWorkspace ws;
+  ws.request_meta = reinterpret_cast<int32_t*>(base + layout.request_meta);
+  ws.part_begin = reinterpret_cast<int32_t*>(base + layout.part_begin);
+  ws.items = reinterpret_cast<int32_t*>(base + layout.items);
+  ws.out_accum = reinterpret_cast<float*>(base + layout.out_accum);
+  ws.lse_accum = reinterpret_cast<float*>(base + layout.lse_accum);
+  ws.max_items = static_cast<int>(layout.max_items);
+  ws.item_regions = layout.item_regions;
+  return ws;
+}
+
 // How the split-KV work is cut and who cuts it, fixed by the host per call
 // (csrc/dispatch/decode.cu from the kernel configuration).
 struct SplitSchedule {

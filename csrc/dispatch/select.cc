@@ -64,6 +64,34 @@ std::string arch_str(int arch) { return "sm_" + std::to_string(arch); }
 
 }  // namespace
 
+DecodeFacts call_facts(DecodeOp op, const PagedDecodeParams& p, int arch, int sm_count, bool build_sm90a,
+                       int workspace_parts) {
+  const int64_t eb = elem_bytes(p.kv_type);
+  auto aligned = [&](const void* base, int64_t token_stride) {
+    return reinterpret_cast<uintptr_t>(base) % 16 == 0 && (token_stride * eb) % 16 == 0;
+  };
+  DecodeFacts f;
+  f.op = op;
+  f.q_type = p.q_type;
+  f.kv_type = p.kv_type;
+  f.kv_format = p.kv_format;
+  f.kv_lora_rank = p.kv_lora_rank;
+  f.qk_rope_head_dim = p.qk_rope_head_dim;
+  f.page_size = p.page_size;
+  f.q_len = p.q_len;
+  f.num_heads = p.num_heads;
+  f.batch = p.batch;
+  f.num_pages = p.num_pages;
+  f.kv_aligned = aligned(p.ckv, p.ckv_token_stride) && aligned(p.kpe, p.kpe_token_stride);
+  f.kv_pages_contiguous = p.ckv_page_stride == int64_t{p.page_size} * p.ckv_token_stride &&
+                          p.kpe_page_stride == int64_t{p.page_size} * p.kpe_token_stride;
+  f.arch = arch;
+  f.sm_count = sm_count;
+  f.build_sm90a = build_sm90a;
+  f.workspace_parts = workspace_parts;
+  return f;
+}
+
 std::string format_config(const KernelConfig& c) {
   return std::string(family_name(c.kernel)) + "," + schedule_name(c.schedule) + "," + grid_name(c.combine_grid) +
          "," + switch_name(c.programmatic_combine);

@@ -49,6 +49,12 @@ struct DecodeFacts {
   int64_t rows() const { return op == DecodeOp::kSparse ? int64_t{num_heads} : int64_t{q_len} * num_heads; }
 };
 
+// The facts of a call whose buffers are all known (the CUDA handler's view,
+// and tests/native's): pointer alignment and page contiguity read off the
+// parameters, the device's facts as given.
+DecodeFacts call_facts(DecodeOp op, const PagedDecodeParams& params, int arch, int sm_count, bool build_sm90a,
+                       int workspace_parts);
+
 struct Selection {
   KernelConfig config;  // auto only where a fact it depends on is unknown
   std::string error;    // non-empty: the requested configuration cannot serve this call

@@ -20,6 +20,7 @@
 #include "csrc/sm80/api.h"
 #include "csrc/sm80/decode_traits.h"
 #include "csrc/smxx/api.h"
+#include "csrc/smxx/fp8_convert.cuh"
 #include "csrc/smxx/kv_source.cuh"
 #include "csrc/smxx/pdl.cuh"
 #include "csrc/smxx/request.cuh"
@@ -63,36 +64,16 @@ __device__ __forceinline__ void ldsm_x4_trans(const void* smem, uint32_t (&r)[4]
 // 16 e4m3 values -> 16 QType values times `scale` (two 16-byte stores).
 template <typename T>
 __device__ __forceinline__ void convert_fp8x16(const uint8_t* src, T* dst, float scale) {
-  const uint4 raw = *reinterpret_cast<const uint4*>(src);
-  const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
-  uint32_t out[8];
-#pragma unroll
-  for (int w = 0; w < 4; ++w) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const __nv_fp8x2_storage_t pair = static_cast<__nv_fp8x2_storage_t>(words[w] >> (16 * h));
-      const __half2 hv = __half2(__nv_cvt_fp8x2_to_halfraw2(pair, __NV_E4M3));
-      const float2 f = __half22float2(hv);
-      out[2 * w + h] = pack2<T>(f.x * scale, f.y * scale);
-    }
-  }
-  reinterpret_cast<uint4*>(dst)[0] = make_uint4(out[0], out[1], out[2], out[3]);
-  reinterpret_cast<uint4*>(dst)[1] = make_uint4(out[4], out[5], out[6], out[7]);
+  uint4 out[2];
+  smxx::e4m3x16_to<T, false>(*reinterpret_cast<const uint4*>(src), scale, out);
+  reinterpret_cast<uint4*>(dst)[0] = out[0];
+  reinterpret_cast<uint4*>(dst)[1] = out[1];
 }
 
 // 8 bf16 values -> 8 QType values (one 16-byte store).
 template <typename T>
 __device__ __forceinline__ void convert_bf16x8(const uint8_t* src, T* dst) {
-  uint4 raw = *reinterpret_cast<const uint4*>(src);
-  if constexpr (std::is_same_v<T, __half>) {
-    uint32_t* w = reinterpret_cast<uint32_t*>(&raw);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w[i]));
-      w[i] = pack2<T>(f.x, f.y);
-    }
-  }
-  *reinterpret_cast<uint4*>(dst) = raw;
+  *reinterpret_cast<uint4*>(dst) = smxx::bf16x8_to<T>(*reinterpret_cast<const uint4*>(src));
 }
 
 // Converts staged cache row chunk `c` into the MMA-ready row `dst`.

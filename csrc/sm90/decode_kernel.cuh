@@ -206,18 +206,18 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         }
         return;
       }
-      if constexpr (Tr::kConvert) {
-        // Raw bytes at the offsets of decode_traits.h, each warpgroup inside
-        // its own region (so, as for native rows, it refills right after its
-        // own P V): warpgroup 0 ckv bytes [0, 256) and the ds_mla scales,
-        // warpgroup 1 ckv bytes [256, 512) and the kpe part.
 #pragma unroll
-        for (int ps = 0; ps < Tr::kKvPasses; ++ps) {
-          const int r = ps * Tr::kKvRowsPerPass + kv_copy_row;
-          const int64_t cache_row = row_of(tile, ps, entry[ps]);
-          const bool live = cache_row >= 0;
-          if (wg == 0 && copy_lane == 0) sValid[stage * kBlockN + r] = live;
-          const int64_t row = live ? cache_row : 0;
+      for (int ps = 0; ps < Tr::kKvPasses; ++ps) {
+        const int r = ps * Tr::kKvRowsPerPass + kv_copy_row;
+        const int64_t cache_row = row_of(tile, ps, entry[ps]);
+        const bool live = cache_row >= 0;
+        if (wg == 0 && copy_lane == 0) sValid[stage * kBlockN + r] = live;
+        const int64_t row = live ? cache_row : 0;
+        if constexpr (Tr::kConvert) {
+          // Raw bytes at the offsets of decode_traits.h, each warpgroup inside
+          // its own region (so, as for native rows, it refills right after its
+          // own P V): warpgroup 0 ckv bytes [0, 256) and the ds_mla scales,
+          // warpgroup 1 ckv bytes [256, 512) and the kpe part.
           const char* ckv_src = ckv + row * p.ckv_token_stride + wg * 256;  // bytes
           char* dst = dst_stage + (wg == 0 ? Tr::kRawNopeLo : Tr::kRawNopeHi) + r * 256;
 #pragma unroll
@@ -236,27 +236,19 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
               cp_async_16(dst_stage + Tr::kRawRope + r * Tr::kRawRopeBytes + copy_lane * 16, kpe_src, live);
             }
           }
-        }
-      } else {
+        } else {
+          const char* ckv_src = ckv + (row * p.ckv_token_stride + (wg_first_chunk + copy_lane) * 8) * 2;
 #pragma unroll
-      for (int ps = 0; ps < Tr::kKvPasses; ++ps) {
-        const int r = ps * Tr::kKvRowsPerPass + kv_copy_row;
-        const int64_t cache_row = row_of(tile, ps, entry[ps]);
-        const bool live = cache_row >= 0;
-        if (wg == 0 && copy_lane == 0) sValid[stage * kBlockN + r] = live;
-        const int64_t row = live ? cache_row : 0;
-        const char* ckv_src = ckv + (row * p.ckv_token_stride + (wg_first_chunk + copy_lane) * 8) * 2;
-#pragma unroll
-        for (int j = 0; j < Tr::kKvChunksWg0; ++j) {
-          const int c = wg_first_chunk + copy_lane + j * Tr::kThreadsPerRow;
-          cp_async_16(dst_stage + qk_chunk_offset(r, c), ckv_src + j * Tr::kThreadsPerRow * 16, live);
-        }
-        if (wg == 1) {
-          const char* kpe_src = kpe + (row * p.kpe_token_stride + copy_lane * 8) * 2;
-          cp_async_16(dst_stage + qk_chunk_offset(r, Tr::kNopeChunks + copy_lane), kpe_src, live);
+          for (int j = 0; j < Tr::kKvChunksWg0; ++j) {
+            const int c = wg_first_chunk + copy_lane + j * Tr::kThreadsPerRow;
+            cp_async_16(dst_stage + qk_chunk_offset(r, c), ckv_src + j * Tr::kThreadsPerRow * 16, live);
+          }
+          if (wg == 1) {
+            const char* kpe_src = kpe + (row * p.kpe_token_stride + copy_lane * 8) * 2;
+            cp_async_16(dst_stage + qk_chunk_offset(r, Tr::kNopeChunks + copy_lane), kpe_src, live);
+          }
         }
       }
-      }  // native rows
     };
     static_assert(Tr::kKvChunksWg1 == Tr::kKvChunksWg0 + 1, "warpgroup 1 copies one rope chunk more");
 
