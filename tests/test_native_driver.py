@@ -7,6 +7,7 @@ the extension, so that an interface change breaks here rather than on the
 GPU machine. Skipped where nvcc is missing.
 """
 
+import os
 import pathlib
 import subprocess
 
@@ -22,9 +23,13 @@ def test_kernel_driver_compiles(tmp_path):
   nvcc = _nvcc()
   if nvcc is None or not SOURCE.exists():
     pytest.skip("needs nvcc and the source tree")
-  cuda_include = pathlib.Path(nvcc).resolve().parent.parent / "include"
+  # nvcc puts the toolkit's include folder on the path; CUDA 13 keeps CCCL
+  # in include/cccl, which the host compiler needs named.
+  cccl = [f"-I{home}/include/cccl" for home in (os.environ.get("CUDA_HOME"), "/usr/local/cuda",
+                                                 str(pathlib.Path(nvcc).resolve().parent.parent))
+          if home and os.path.isdir(f"{home}/include/cccl")][:1]
   build = subprocess.run(
-      [nvcc, "-std=c++17", "-x", "c++", "-c", f"-I{ROOT}", f"-I{cuda_include / 'cccl'}",
+      [nvcc, "-std=c++17", "-x", "c++", "-c", f"-I{ROOT}", *cccl,
        "-o", str(tmp_path / "kernel_driver.o"), str(SOURCE)],
       capture_output=True, text=True, timeout=300)
   assert build.returncode == 0, build.stdout + build.stderr

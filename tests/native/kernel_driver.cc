@@ -1,29 +1,35 @@
 // A standalone driver of mla_jax's CUDA decode path, without XLA or Python,
 // for compute-sanitizer (memcheck, racecheck, synccheck). compute-sanitizer
 // crashes inside the JAX process (docs/kernels.md, "Sanitizer status"); this
-// program calls what the FFI handler calls (select_kernel, workspace_layout,
-// run_paged_decode / run_sparse_decode) on buffers of exactly their sizes,
-// one cudaMalloc each, so that any access past a buffer is reported.
+// program calls what the FFI handler calls (call_facts, select_kernel,
+// workspace_layout, carve_workspace, run_paged_decode / run_sparse_decode)
+// on buffers of exactly the sizes a JAX call gives them (the workspace as
+// mla_jax/kernels.py sizes it), one cudaMalloc each, so that any access past
+// a buffer is reported.
 //
 //   mla_jax_kernel_driver [N_CASES [SEED [--short-out]]]
 //
 // --short-out allocates every output buffer 2 bytes short: a check that
 // memcheck sees the kernels' accesses (it must report the last row's
 // stores), not a mode for anything else.
+//
 // Each seeded case draws a paged or sparse call over the input space the
 // Python tests cover (query dtype, cache format and layout, page size,
 // batch, q_len, heads, kernel configuration, max_num_splits, ragged and
 // zero lengths, invalid requests and page ids, -1 and out-of-range top-k
 // indices, top-k lengths with garbage after, attention sinks). Every cache
-// slot that no valid request may read holds NaN, and the outputs are filled
-// with NaN before the call. The result is checked against the CPU kernel
+// slot that no valid request may read holds NaN; the outputs start as
+// finite sentinels, other ones for the reference, so that a row nobody
+// writes fails. The result is checked against the CPU kernel
 // (csrc/cpu, itself checked against the float64 reference by the Python
 // tests) on the same bytes: NaN exactly where the CPU kernel gives NaN,
 // equal infinities, elsewhere an error <= 1e-2 of the row's largest value
 // plus one unit in the last place of the output type (both outputs are
 // rounded to it) and |d lse| <= 1e-2. Cases cycle through the kernel
 // requests auto, portable, sm90_lockstep and sm90_seesaw, each drawn from
-// the shapes that kernel serves. Exit status 0 when every case matches, 1
+// the shapes that kernel serves (a kernel that cannot serve its case fails
+// it; a schedule or combine request it cannot serve runs as auto, noted in
+// the case's line). Exit status 0 when every case matches, 1
 // otherwise, 2 on a CUDA error.
 #include <cuda_runtime.h>
 
@@ -133,7 +139,8 @@ T pick(std::mt19937_64& rng, std::initializer_list<T> xs) {
 }
 
 // kernel: the kernel requested; the shape is drawn among those it serves
-// (sm90_seesaw: paged bf16/fp16 caches with page_size a multiple of 64).
+// (sm90_seesaw: paged bf16/fp16 caches with page_size a multiple of 64;
+// sm90_lockstep: more than 32 query rows per request).
 Case draw_case(std::mt19937_64& rng, const std::string& kernel) {
   Case c;
   const bool seesaw = kernel == "sm90_seesaw";
@@ -158,6 +165,7 @@ Case draw_case(std::mt19937_64& rng, const std::string& kernel) {
     c.q_len = pick(rng, {1, 1, 2, 3, 4});
     c.causal = rng() % 4 != 0;
   }
+  if (kernel == "sm90_lockstep" && (c.sparse ? c.heads : c.heads * c.q_len) <= 32) c.heads = pick(rng, {48, 64, 96, 128});
   const std::string schedule = pick<const char*>(rng, {"auto", "auto", "kernel", "inline", "block"});
   const std::string combine = pick<const char*>(rng, {"auto", "auto", "block", "rows", "slices"});
   const std::string programmatic = pick<const char*>(rng, {"auto", "off", "on"});
@@ -165,13 +173,13 @@ Case draw_case(std::mt19937_64& rng, const std::string& kernel) {
   return c;
 }
 
-// Fills `p` as ffi/decode_args.cc does for the given buffers (host or device
-// pointers, per `dev`).
 struct Buffers {
   Buf *q_nope, *q_pe, *ckv, *kpe, *block_table, *seq_lens, *kv_scale, *out, *lse;
   Buf *indices, *topk_lens, *sink;
 };
 
+// Fills `p` as ffi/decode_args.cc does for the given buffers (host or device
+// pointers, per `dev`).
 void fill_params(const Case& c, Buffers& b, int num_pages, int max_pages, bool dev, PagedDecodeParams* p) {
   auto ptr = [dev](Buf* x) -> void* { return x == nullptr ? nullptr : dev ? x->dev : x->host.data(); };
   *p = PagedDecodeParams{};
@@ -290,8 +298,7 @@ struct Outcome {
 Outcome run_case(const Case& c, std::mt19937_64& rng, const DeviceInfo& dev) {
   Outcome res;
   std::normal_distribution<float> normal;
-  const ElemType kv_type =
-      c.cache == Case::kNative ? c.q_type : ElemType::kFP8E4M3;
+  const ElemType kv_type = c.cache == Case::kNative ? c.q_type : ElemType::kFP8E4M3;
   const int rows_total = c.batch * c.q_len * c.heads;
 
   // Cache geometry and metadata.
@@ -313,7 +320,7 @@ Outcome run_case(const Case& c, std::mt19937_64& rng, const DeviceInfo& dev) {
     std::vector<int32_t> perm(num_pages);
     for (int i = 0; i < num_pages; ++i) perm[i] = i;
     std::shuffle(perm.begin(), perm.end(), rng);
-    table.assign(static_cast<size_t>(c.batch) * std::max(max_pages, 1), 0);
+    table.assign(static_cast<size_t>(c.batch) * max_pages, 0);
     int next = 0;
     for (int b = 0; b < c.batch; ++b) {
       const int pages = (lens[b] + c.page_size - 1) / c.page_size;
@@ -411,8 +418,10 @@ Outcome run_case(const Case& c, std::mt19937_64& rng, const DeviceInfo& dev) {
   std::memcpy(tkl.host.data(), topk_lens.data(), tkl.host.size());
   *kv_scale.h<float>() = c.cache == Case::kFp8 ? 0.0125f * (1 + rng() % 4) : 1.0f;
   for (int h = 0; h < c.heads; ++h) sink.h<float>()[h] = normal(rng);
-  std::fill(out.host.begin(), out.host.end(), 0xff);  // NaN in both 16-bit types
-  std::fill_n(lse.h<float>(), rows_total, NAN);
+  // Finite sentinels, different from the reference's: a row the kernels do
+  // not write cannot pass for a NaN (invalid) row or for a computed one.
+  std::fill(out.host.begin(), out.host.end(), 0x5a);
+  std::fill_n(lse.h<float>(), rows_total, 7777.f);
   for (Buf* x : {&q_nope, &q_pe, &ckv, &kpe, &block_table, &seq, &idx, &tkl, &kv_scale, &sink, &out, &lse}) x->upload();
 
   Buffers bufs{&q_nope, c.q_packed ? nullptr : &q_pe, &ckv, &kpe, &block_table, &seq, &kv_scale, &out, &lse,
@@ -421,11 +430,15 @@ Outcome run_case(const Case& c, std::mt19937_64& rng, const DeviceInfo& dev) {
   fill_params(c, bufs, num_pages, max_pages, true, &dp);
   fill_params(c, bufs, num_pages, max_pages, false, &hp);
 
-  // Kernel configuration as the handler resolves it. A request the call
-  // cannot serve (the Python tests check those errors) keeps its kernel
-  // with the other fields auto, else falls back to auto.
+  // Kernel configuration as the handler resolves it, the workspace sized as
+  // mla_jax/kernels.py sizes it (workspace_parts). A schedule or combine
+  // request the call cannot serve (the Python tests check those errors)
+  // keeps its kernel with the other fields auto, and the case says so; a
+  // kernel that cannot serve the drawn case fails it.
   const DecodeOp op = c.sparse ? DecodeOp::kSparse : DecodeOp::kPaged;
-  const DecodeFacts facts = call_facts(op, dp, dev.arch, dev.sm_count, build_has_sm90a(), dev.sm_count);
+  const int64_t rows = c.sparse ? c.heads : int64_t{c.heads} * c.q_len;
+  const int workspace_parts = std::max<int>(1, dev.sm_count / static_cast<int>((rows + 63) / 64));
+  const DecodeFacts facts = call_facts(op, dp, dev.arch, dev.sm_count, build_has_sm90a(), workspace_parts);
   KernelConfig request;
   std::string why;
   if (!parse_config(c.request, &request, &why)) {
@@ -434,23 +447,24 @@ Outcome run_case(const Case& c, std::mt19937_64& rng, const DeviceInfo& dev) {
     return res;
   }
   Selection sel = select_kernel(facts, request);
+  std::string fallback;
   if (!sel.error.empty()) {
+    fallback = " (schedule/combine request not served: " + sel.error + ")";
     KernelConfig kernel_only;
     kernel_only.kernel = request.kernel;
     sel = select_kernel(facts, kernel_only);
   }
-  if (!sel.error.empty()) sel = select_kernel(facts, KernelConfig{});
   if (!sel.error.empty() || !sel.config.resolved()) {
     res.ok = false;
-    res.what = "no configuration: " + sel.error;
+    res.what = "the requested kernel cannot serve the drawn case: " + sel.error;
     return res;
   }
   res.config = format_config(sel.config);
-  const WorkspaceLayout layout = workspace_layout(facts.requests(), facts.rows(), kDn, dev.sm_count);
+  const WorkspaceLayout layout = workspace_layout(facts.requests(), facts.rows(), kDn, workspace_parts);
   Buf workspace(static_cast<size_t>(layout.total), 0xff);
   workspace.upload();
   const DecodeWorkspace ws = carve_workspace(static_cast<char*>(workspace.dev), layout);
-  const int parts = num_partitions(dev.sm_count, facts.rows(), dev.sm_count);
+  const int parts = num_partitions(dev.sm_count, facts.rows(), workspace_parts);
   cudaError_t err = c.sparse ? run_sparse_decode(dp, ws, sel.config, parts, nullptr)
                              : run_paged_decode(dp, ws, sel.config, parts, c.max_num_splits, nullptr);
   CUDA_OK(err);
@@ -459,8 +473,8 @@ Outcome run_case(const Case& c, std::mt19937_64& rng, const DeviceInfo& dev) {
   lse.download();
 
   // The CPU kernel on the same bytes.
-  std::vector<uint8_t> ref_out(out.host.size(), 0xff);
-  std::vector<float> ref_lse(rows_total, NAN);
+  std::vector<uint8_t> ref_out(out.host.size(), 0x3c);
+  std::vector<float> ref_lse(rows_total, -7777.f);
   hp.out = ref_out.data();
   hp.lse = ref_lse.data();
   const ParallelFor serial = [](int64_t n, const std::function<void(int64_t, int64_t)>& body) { body(0, n); };
@@ -500,7 +514,7 @@ Outcome run_case(const Case& c, std::mt19937_64& rng, const DeviceInfo& dev) {
     res.ok = false;
     res.what = "error " + std::to_string(worst) + ", lse error " + std::to_string(worst_lse);
   }
-  if (res.ok) res.what = "error " + std::to_string(worst) + ", lse error " + std::to_string(worst_lse);
+  if (res.ok) res.what = "error " + std::to_string(worst) + ", lse error " + std::to_string(worst_lse) + fallback;
   return res;
 }
 
