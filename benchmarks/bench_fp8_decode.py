@@ -37,7 +37,7 @@ from bench_paged_decode import (PAGE_SIZE, SM_SCALE, git_commit, make_block_tabl
 KV_SCALE = 0.05
 # (B, q_len, H, seq)
 ROWS = [(128, 1, 16, 8192), (128, 1, 128, 4096), (8, 1, 16, 42000), (128, 1, 64, 8192), (32, 1, 128, 4096),
-        (128, 2, 128, 4096)]
+        (128, 2, 128, 4096), (128, 1, 32, 8192)]
 SMOKE_ROWS = [(2, 1, 16, 200), (2, 2, 64, 130)]
 VARIANTS = ("fp8", "bf16", "portable")
 

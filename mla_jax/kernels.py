@@ -46,8 +46,8 @@ class KernelChoice:
 
   Attributes:
     kernel: "auto", "portable" (``mma.sync``, any CUDA GPU, every cache
-      format), "sm90_lockstep" (Hopper ``wgmma``, more than 32 query rows per
-      request, any page size) or "sm90_seesaw" (Hopper ``wgmma`` with TMA
+      format), "sm90_lockstep" (Hopper ``wgmma``, any page size; rows in
+      blocks of 64) or "sm90_seesaw" (Hopper ``wgmma`` with TMA
       loads; paged decode with ``page_size`` a multiple of 64).
     schedule: who computes the split-KV schedule: "auto", "kernel" (the
       scheduler kernel, before the decode), "inline" (one warp of every

@@ -172,8 +172,8 @@ def kernel_choice(request):
   cache loads with TMA, i.e. page_size a multiple of 64, else the lock-step
   wgmma kernel; the seesaw schedules its own splits), schedule "kernel"
   (the same with the scheduler kernel for every batch), "sm90_lockstep"
-  (the lock-step kernel everywhere, TMA or cp.async loads; the portable
-  kernel for 32 rows or fewer, which it does not serve) and "portable" (the
+  (the lock-step kernel everywhere, TMA or cp.async loads; fewer than 64
+  rows in one zero-filled block) and "portable" (the
   mma.sync kernel). Yields rows -> KernelChoice for a call with `rows`
   query rows per request (q_len x heads)."""
   if request.param == "lockstep" and not _hopper_kernels_available():
@@ -181,7 +181,7 @@ def kernel_choice(request):
   choices = {
       "default": lambda rows: KernelChoice(),
       "scheduler_kernel": lambda rows: KernelChoice(schedule="kernel"),
-      "lockstep": lambda rows: KernelChoice(kernel="sm90_lockstep" if rows > 32 else "portable"),
+      "lockstep": lambda rows: KernelChoice(kernel="sm90_lockstep"),
       "portable": lambda rows: KernelChoice(kernel="portable"),
   }
   return choices[request.param]
@@ -564,9 +564,11 @@ def test_equal_pieces_schedule_when_requests_are_few(heads, k, seq_len):
     (33, 2, 256, jnp.bfloat16, "packed"),
     (16, 4, 64, jnp.float16, "packed"),
     (128, 4, 32, jnp.bfloat16, "pair"),
+    (32, 1, 16, jnp.bfloat16, "pair"),     # 17-32 rows: the lock-step kernel too (one zero-filled block)
+    (12, 2, 64, jnp.float16, "packed"),
 ])
 def test_fp8_cache_kernels(kernel, heads, q_len, page_size, dtype, layout):
-  # More than 32 query rows run the lock-step wgmma kernel on sm_90 (auto),
+  # More than 16 query rows run the lock-step wgmma kernel on sm_90 (auto),
   # which converts the e4m3 rows on chip; against the reference with ragged
   # and zero lengths, splits, MTP, bad pages, both cache layouts, and NaN
   # (e4m3 0x7F) in every slot no valid request may read.

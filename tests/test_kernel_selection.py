@@ -64,10 +64,11 @@ def test_other_architectures_run_the_portable_kernel(device):
 
 @needs_sm90a
 @pytest.mark.parametrize("heads,page_size,want", [(128, 64, "sm90_lockstep"), (64, 16, "sm90_lockstep"),
-                                                  (16, 64, "portable")])
+                                                  (32, 64, "sm90_lockstep"), (24, 64, "sm90_lockstep"),
+                                                  (16, 64, "portable"), (12, 64, "portable")])
 def test_fp8_cache_kernel_choice(heads, page_size, want):
-  # More than 32 query rows: the lock-step kernel converts the e4m3 rows on
-  # chip; fewer: the portable kernel's smaller row blocks. Never the seesaw
+  # More than 16 query rows: the lock-step kernel converts the e4m3 rows on
+  # chip; 16 or fewer: the portable kernel's 16-row blocks. Never the seesaw
   # kernel (its TMA boxes land the rows as they are).
   plan = mla_jax.DecodePlan(num_heads=heads, page_size=page_size, sm_scale=SM_SCALE, backend="cuda")
   got = mla_jax.explain(plan, *_paged(4, heads, page_size, kv_dtype=jnp.float8_e4m3fn),
@@ -83,8 +84,8 @@ def test_fp8_cache_kernel_choice(heads, page_size, want):
 
 @needs_sm90a
 @pytest.mark.parametrize("heads,kv_format,want", [(64, "bf16", "sm90_lockstep"), (128, "fp8_ds_mla", "sm90_lockstep"),
-                                                  (32, "fp8_ds_mla", "portable"),
-                                                  (16, "bf16", "portable")])
+                                                  (32, "fp8_ds_mla", "sm90_lockstep"), (32, "bf16", "portable"),
+                                                  (16, "fp8_ds_mla", "portable"), (16, "bf16", "portable")])
 def test_sparse_capability_table(heads, kv_format, want):
   plan = mla_jax.SparseDecodePlan(num_heads=heads, page_size=64, sm_scale=SM_SCALE, topk=128, kv_format=kv_format,
                                   backend="cuda")
@@ -106,14 +107,24 @@ def test_forced_fields_are_kept_and_explained():
     ("sm90_seesaw", 16, 4, "TMA"),
     (KernelChoice(kernel="portable", schedule="inline"), 64, 4, "seesaw"),
     (KernelChoice(schedule="inline"), 64, 40, "at most 32 requests"),
-    ("sm90_lockstep", 16, 4, "more than 32 query rows"),
 ])
 def test_forced_choice_that_cannot_serve_the_call_is_a_trace_time_error(kernel, page_size, batch, match):
-  heads = 16 if kernel == "sm90_lockstep" else 128
+  heads = 128
   with pytest.raises(ValueError, match="DecodePlan.kernel") as e:
     _explain_paged(batch, heads, page_size, kernel=kernel)
   if mla_jax._ffi.ext().has_sm90a():
     assert match in str(e.value)
+
+
+@needs_sm90a
+@pytest.mark.parametrize("heads", [1, 16, 32])
+def test_forced_lockstep_serves_a_partial_row_block(heads):
+  # Auto picks the portable kernel for these (bf16, page 16); forced, the
+  # lock-step kernel runs them in one 64-row block with the rows past the
+  # request's zero.
+  got = _explain_paged(4, heads, 16, kernel="sm90_lockstep")
+  assert got.kernel.kernel == "sm90_lockstep", str(got)
+  assert _explain_paged(4, heads, 16).kernel.kernel == "portable"
 
 
 def test_hopper_kernel_on_another_architecture_is_an_error():

@@ -524,6 +524,8 @@ HOPPER_CASES = [
     (64, 4, 64, "pow2", jnp.float16),             # fp16 query: the bf16 rope is converted on chip
     (96, 1, 1, "arbitrary", jnp.bfloat16),
     (64, 1, 300, "arbitrary", jnp.float16),
+    (32, 2, 2048, "pow2", jnp.bfloat16),          # 17-32 heads: one 64-row block, the rows past 32 zero
+    (20, 1, 300, "arbitrary", jnp.float16),
 ]
 
 
@@ -531,7 +533,7 @@ HOPPER_CASES = [
 @pytest.mark.parametrize("kernel", ["auto", "portable"])
 @pytest.mark.parametrize("num_heads,q_len,topk,scale_format,dtype", HOPPER_CASES)
 def test_hopper_fp8_ds_mla(kernel, num_heads, q_len, topk, scale_format, dtype):
-  """More than 32 heads run the sm90 lock-step kernel on an sm_90 GPU (auto),
+  """More than 16 heads run the sm90 lock-step kernel on an sm_90 GPU (auto),
   which dequantises the 656-byte rows on chip; padding and out-of-range
   indices anywhere, topk_lens with garbage (a NaN page) after it, and sinks,
   against the float64 reference and against the portable kernel."""

@@ -163,6 +163,13 @@ Selection select_kernel(const DecodeFacts& f, const KernelConfig& requested, std
   const bool tma = f.op == DecodeOp::kPaged && f.page_size % 64 == 0 && f.kv_aligned && plain16 &&
                    (slots < 0 || (slots > 0 && slots <= INT32_MAX));
   const bool wide = portable_rows_per_cta(rows) == 64;
+  // FP8 rows: the lock-step kernel's cost per tile hardly depends on how many
+  // of its 64 rows are live (query rows past the request's are zero), and
+  // the portable kernel's 32-row block costs about as much per tile as its
+  // 64-row one, so from 17 query rows on the lock-step kernel is the faster
+  // (docs/perf.md, "FP8 caches"); with 16 rows or fewer the portable
+  // kernel's 16-row block is.
+  const bool lockstep_rows = fp8 ? rows > 16 : wide;
 
   // 1. The decode kernel.
   if (c.kernel == KernelFamily::kAuto) {
@@ -182,7 +189,7 @@ Selection select_kernel(const DecodeFacts& f, const KernelConfig& requested, std
       c.kernel = KernelFamily::kSm90Seesaw;
       note([&] { return std::string("kernel: sm90_seesaw (sm_90, a paged cache whose page_size is a multiple of 64: TMA loads whole "
            "64-token tiles; " + std::to_string(rows) + " query rows per request in 64-row blocks)"); });
-    } else if (wide) {
+    } else if (lockstep_rows) {
       c.kernel = KernelFamily::kSm90Lockstep;
       note([&] { return std::string("kernel: sm90_lockstep (sm_90, " + std::to_string(rows) + " query rows per request; the cache is "
            "gathered row by row: " + (fp8 ? "FP8 rows, converted on chip" : f.op == DecodeOp::kSparse ? "sparse indices" :
@@ -208,9 +215,6 @@ Selection select_kernel(const DecodeFacts& f, const KernelConfig& requested, std
       if (c.kernel == KernelFamily::kSm90Seesaw && !tma)
         return fail("kernel 'sm90_seesaw' needs TMA loads: paged decode with page_size a multiple of 64 and "
                     "16-byte aligned cache rows");
-      if (c.kernel == KernelFamily::kSm90Lockstep && !wide)
-        return fail("kernel 'sm90_lockstep' serves more than 32 query rows per request (q_len x heads), got " +
-                    std::to_string(rows));
     }
     note([&] { return std::string(std::string("kernel: ") + family_name(c.kernel) + " (requested by the plan)"); });
   }

@@ -140,7 +140,7 @@ T pick(std::mt19937_64& rng, std::initializer_list<T> xs) {
 
 // kernel: the kernel requested; the shape is drawn among those it serves
 // (sm90_seesaw: paged bf16/fp16 caches with page_size a multiple of 64;
-// sm90_lockstep: more than 32 query rows per request).
+// sm90_lockstep: any number of query rows per request).
 Case draw_case(std::mt19937_64& rng, const std::string& kernel) {
   Case c;
   const bool seesaw = kernel == "sm90_seesaw";
@@ -165,7 +165,6 @@ Case draw_case(std::mt19937_64& rng, const std::string& kernel) {
     c.q_len = pick(rng, {1, 1, 2, 3, 4});
     c.causal = rng() % 4 != 0;
   }
-  if (kernel == "sm90_lockstep" && (c.sparse ? c.heads : c.heads * c.q_len) <= 32) c.heads = pick(rng, {48, 64, 96, 128});
   const std::string schedule = pick<const char*>(rng, {"auto", "auto", "kernel", "inline", "block"});
   const std::string combine = pick<const char*>(rng, {"auto", "auto", "block", "rows", "slices"});
   const std::string programmatic = pick<const char*>(rng, {"auto", "off", "on"});
