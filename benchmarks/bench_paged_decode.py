@@ -614,6 +614,51 @@ def bench_row(i, row, args, ceil, anchors, primary, target, t_start, peer=None):
 
 
 # --------------------------------------------------------------------------------------------
+# The kernels without XLA: benchmarks/native/decode_timing.cc
+# --------------------------------------------------------------------------------------------
+NATIVE_METHOD = (
+    "mla_jax_graph_us: the same kernels without XLA (benchmarks/native/decode_timing.cc, a separate "
+    "process before this one), timed as flashmla_us is: n calls in one CUDA graph, replayed, slope "
+    "between n/2 and n by CUDA events; its own random data of the same shape (varlen rows: its own "
+    "lengths). jax_over_graph_us = mla_jax_us - mla_jax_graph_us: what the jitted program costs "
+    "beyond the replayed kernels (launch gaps, host time the GPU does not hide, and run-to-run "
+    "spread). host_prepare_us, host_tma_encode_us: the handler's per-call host work without launches.")
+
+
+def run_native_timing(binary, rows, reps=10, timeout_s=900):
+  """Runs the native timer on `rows`; returns {row name: its JSON record}, or {"error": why}."""
+  spec = ";".join(f"{r.b},{r.q},{r.h},{r.sk}" + (",v" if r.varlen else "") for r in rows)
+  try:
+    done = subprocess.run([binary, "--rows", spec, "--reps", str(reps)], capture_output=True, text=True,
+                          timeout=timeout_s)
+  except (OSError, subprocess.TimeoutExpired) as e:
+    return {"error": f"{type(e).__name__}: {e}"}
+  recs = {}
+  for line in done.stdout.splitlines():
+    if line.startswith("{"):
+      r = json.loads(line)
+      recs[r["name"]] = r
+  if done.returncode != 0:
+    recs["error"] = f"exit status {done.returncode}: {(done.stderr or done.stdout)[-300:]}"
+  print(f"native timing: {len(recs) - ('error' in recs)} rows"
+        + (f" ({recs['error'][:200]})" if "error" in recs else ""), flush=True)
+  return recs
+
+
+def add_native(rec, nat):
+  """Adds the native timer's figures for this row to the row's record."""
+  if not nat:
+    return
+  rec["native"] = nat
+  graph = nat.get("graph_us") if nat.get("check_ok") else None
+  rec["mla_jax_graph_us"] = graph
+  if graph and rec.get("mla_jax_us"):
+    rec["jax_over_graph_us"] = rec["mla_jax_us"] - graph
+  if graph and rec.get("flashmla_us"):
+    rec["graph_over_flashmla"] = graph / rec["flashmla_us"]
+
+
+# --------------------------------------------------------------------------------------------
 # Output
 # --------------------------------------------------------------------------------------------
 def _f(v, fmt, width):
@@ -678,6 +723,21 @@ def table(meta, rows):
       lines.append(f"geometric mean of {label} over {len(vals)} rows: {gm:.3f}")
   lines.append("dev_us: the same slope from the kernels' timestamps in a profiler trace (3 reps; "
                "no host clock); dv/FM: dev_us / FlashMLA")
+  nat = [r for r in rows if r.get("native")]
+  if nat:
+    lines.append(f"{'#':>2} {'row':<17}{'graph':>9}{'gr/FM':>7}{'us-gr':>8}{'prep':>7}{'tma':>7}  kernel (native)")
+    for r in nat:
+      n = r["native"]
+      lines.append(f"{r['index']:>2} {r['name']:<17}{_f(r.get('mla_jax_graph_us'), '.1f', 9)}"
+                   f"{_ratio(r.get('graph_over_flashmla'), 7)}{_f(r.get('jax_over_graph_us'), '.1f', 8)}"
+                   f"{_f(n.get('host_prepare_us'), '.2f', 7)}{_f(n.get('host_tma_encode_us'), '.2f', 7)}"
+                   f"  {n.get('kernel_config')}{'' if n.get('check_ok') else ' CHECK FAILED'}")
+    vals = [r["graph_over_flashmla"] for r in nat if (r.get("graph_over_flashmla") or 0) > 0]
+    if vals:
+      lines.append(f"geometric mean of gr/FM over {len(vals)} rows: "
+                   f"{math.exp(sum(math.log(v) for v in vals) / len(vals)):.3f}")
+    lines.append("graph: the kernels without XLA, CUDA-graph replay (as FlashMLA is timed); us-gr: mla_jax us - "
+                 "graph; prep, tma: the handler's host work per call (us)")
   for r in rows:
     if r.get("mla", {}).get("device_time_error"):
       lines.append(f"no dev_us for {r['name']}: {r['mla']['device_time_error'][:160]}")
@@ -808,6 +868,9 @@ def main(argv=None):
                  help="requests per row checked against the float64 reference (default 3)")
   p.add_argument("--no-device-time", action="store_true",
                  help="skip the profiler-trace device time of the timed op (GPU only)")
+  p.add_argument("--native-timing", default=None, metavar="PATH",
+                 help="mla_jax_decode_timing binary (built with MLA_JAX_KERNEL_DRIVER=ON): run it first "
+                      "on the same rows and report the kernels' CUDA-graph time beside the JAX figures")
   p.add_argument("--print-floors", action="store_true",
                  help="print the nominal-floor table (NOTES.md) and exit")
   p.add_argument("--print-source-digest", action="store_true",
@@ -825,6 +888,10 @@ def main(argv=None):
     return 0
 
   t_start = time.perf_counter()
+  rows_all = [smoke_row(r) for r in ROWS] if args.smoke else ROWS
+  chosen = select_rows(rows_all, args.rows)
+  # Before JAX takes the GPU: the native timer allocates its own buffers.
+  native = run_native_timing(args.native_timing, [r for _, r in chosen]) if args.native_timing else {}
   peer, why = None, "--flashmla off" if args.flashmla == "off" else "--smoke"
   if args.flashmla == "auto" and not args.smoke:
     import flashmla_peer  # beside this script
@@ -856,8 +923,6 @@ def main(argv=None):
   anchors = load_anchors(find_anchors(args.anchors))
   if anchors["error"]:
     print(f"note: anchors: {anchors['error']}", flush=True)
-  rows_all = [smoke_row(r) for r in ROWS] if args.smoke else ROWS
-  chosen = select_rows(rows_all, args.rows)
 
   meta = dict(
       device=f"{dev.device_kind} ({platform})", platform=platform,
@@ -880,6 +945,8 @@ def main(argv=None):
               "replayed, slope (benchmarks/flashmla_peer.py). "
               "FLOPs = 2*q*sum_seq*H*1088, bytes = (sum_seq*576 + B*q*H*1088)*2."),
       page_size=PAGE_SIZE, sm_scale=SM_SCALE, dtype="bfloat16")
+  if args.native_timing:
+    meta["native_timing"] = dict(binary=args.native_timing, error=native.get("error"), method=NATIVE_METHOD)
 
   print(f"device {meta['device']}, jax {jax.__version__}, backend {args.backend} -> {resolved}, "
         f"{len(chosen)} rows", flush=True)
@@ -918,6 +985,7 @@ def main(argv=None):
     t0 = time.perf_counter()
     try:
       rec = bench_row(i, row, args, ceil, anchors, resolved, target, t_start, peer)
+      add_native(rec, native.get(row.name))
     except Exception as e:  # noqa: BLE001 - data generation etc.: record and go on
       rec = dict(index=i, name=row.name, b=row.b, q_len=row.q, h=row.h, sk=row.sk,
                  varlen=row.varlen, error=f"{type(e).__name__}: {str(e)[:400]}",

@@ -56,3 +56,38 @@ def test_env_records_only_set_mla_jax_switches(bench):
   assert bench.mla_jax_env(environ) == {"MLA_JAX_BACKEND": "cuda", "MLA_JAX_PDL": "1"}
   assert list(bench.mla_jax_env(environ)) == ["MLA_JAX_BACKEND", "MLA_JAX_PDL"]
   assert bench.mla_jax_env({}) == {}
+
+
+def _fake_timer(tmp_path, body):
+  exe = tmp_path / "timer"
+  exe.write_text("#!/bin/sh\n" + body)
+  exe.chmod(0o755)
+  return str(exe)
+
+
+def test_native_timing_rows_reach_their_records(bench, tmp_path):
+  """The native timer's JSON lines land on the rows of the same name, with the derived fields."""
+  rows = [bench.Row(1, 1, 128, 4096), bench.Row(128, 1, 128, 4096, varlen=True)]
+  exe = _fake_timer(tmp_path, """case "$2" in "1,1,128,4096;128,1,128,4096,v") ;; *) exit 3;; esac
+echo '# device line'
+echo '{"name": "b1q1h128s4096", "graph_us": 24.5, "check_ok": true, "kernel_config": "k"}'
+echo '{"name": "b128q1h128s4096v", "graph_us": 300.0, "check_ok": false}'
+""")
+  nat = bench.run_native_timing(exe, rows)
+  assert sorted(nat) == ["b128q1h128s4096v", "b1q1h128s4096"]
+  rec = dict(mla_jax_us=28.0, flashmla_us=20.0)
+  bench.add_native(rec, nat["b1q1h128s4096"])
+  assert rec["mla_jax_graph_us"] == 24.5
+  assert rec["jax_over_graph_us"] == pytest.approx(3.5)
+  assert rec["graph_over_flashmla"] == pytest.approx(24.5 / 20.0)
+  # A row whose output failed the timer's check gives no time.
+  rec = dict(mla_jax_us=310.0)
+  bench.add_native(rec, nat["b128q1h128s4096v"])
+  assert rec["mla_jax_graph_us"] is None and "jax_over_graph_us" not in rec
+
+
+def test_native_timing_failure_is_recorded(bench, tmp_path):
+  exe = _fake_timer(tmp_path, "echo 'CUDA error' >&2\nexit 2\n")
+  nat = bench.run_native_timing(exe, [bench.Row(1, 1, 16, 64)])
+  assert "exit status 2" in nat["error"] and "CUDA error" in nat["error"]
+  assert "error" in bench.run_native_timing(str(tmp_path / "missing"), [bench.Row(1, 1, 16, 64)])

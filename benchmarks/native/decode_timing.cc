@@ -1,0 +1,485 @@
+// Times mla_jax's CUDA decode path without XLA, the way serving stacks time
+// FlashMLA: n calls captured in one CUDA graph, replayed, per call = the
+// slope between two n (CUDA events). Beside it, the host time of what the
+// FFI handler does per call (ffi/cuda_handlers.cc: parse the two kernel
+// configuration attributes, call_facts, select_kernel, workspace layout;
+// then the launches, which encode the cache's TMA descriptors), so that a
+// JAX-level figure (bench_paged_decode.py) can be split into the kernels'
+// time, the handler's host time and what XLA adds.
+//
+//   mla_jax_decode_timing [--rows "B,Q,H,SEQ[,v];..."] [--request CONFIG] [--splits N]
+//                         [--reps N] [--json PATH]
+//
+// --request: the plan's kernel configuration ("kernel,schedule,combine,
+// programmatic" as mla_jax.KernelChoice names them; default all auto),
+// resolved by select_kernel as a trace would; --splits: max_num_splits
+// (default 0, the scheduler's choice).
+// Rows default to bench_paged_decode.py's ROWS (bf16, page 64, random normal
+// values, pages a random permutation of the pool plus 3 spare pages,
+// sm_scale 1/sqrt(192), causal for Q > 1). A row ending in ",v" draws
+// N(SEQ, SEQ/2) lengths clipped to [Q, 2 SEQ] from this program's own
+// generator: not the Python script's lengths. Every call reads its own query
+// copy and cache copy i % R (R copies over 2x a 60 MB L2) and writes the
+// same output and workspace (the calls are ordered on one stream). The first
+// request of the last call is checked against the CPU kernel (csrc/cpu) on
+// the same bytes: relative error <= 1e-2, |d lse| <= 1e-2, no NaN. Exit
+// status 0 when every row passes its check, 1 otherwise, 2 on a CUDA error.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "csrc/common/elem_convert.h"
+#include "csrc/common/mla_params.h"
+#include "csrc/common/workspace.h"
+#include "csrc/cpu/paged_decode_cpu.h"
+#include "csrc/dispatch/decode.h"
+#include "csrc/dispatch/select.h"
+#include "csrc/sm90/kv_tma.h"
+
+namespace {
+
+using namespace mla_jax;
+
+constexpr int kDn = 512, kDr = 64, kDqk = kDn + kDr, kPage = 64;
+constexpr double kL2Bytes = 60e6;
+
+#define CUDA_OK(expr)                                                                               \
+  do {                                                                                              \
+    cudaError_t e_ = (expr);                                                                        \
+    if (e_ != cudaSuccess) {                                                                        \
+      std::fprintf(stderr, "CUDA error %s at %s:%d: %s\n", cudaGetErrorName(e_), __FILE__, __LINE__, \
+                   cudaGetErrorString(e_));                                                         \
+      std::exit(2);                                                                                 \
+    }                                                                                               \
+  } while (0)
+
+struct Row {
+  int b, q, h, seq;
+  bool varlen;
+  std::string name() const {
+    return "b" + std::to_string(b) + "q" + std::to_string(q) + "h" + std::to_string(h) + "s" + std::to_string(seq) +
+           (varlen ? "v" : "");
+  }
+};
+
+const std::vector<Row> kDefaultRows = {
+    {128, 1, 128, 4096, false}, {128, 1, 128, 8192, false}, {128, 2, 128, 4096, false}, {128, 1, 64, 8192, false},
+    {128, 1, 16, 4096, false},  {128, 1, 16, 8192, false},  {128, 1, 16, 32768, false}, {64, 1, 16, 8192, false},
+    {1, 1, 128, 4096, false},   {32, 1, 128, 4096, false},  {16, 1, 128, 32768, false}, {128, 1, 128, 4096, true},
+    {1, 1, 12, 76800, false},   {8, 1, 12, 42000, false},   {8, 1, 96, 42000, false},   {8, 2, 12, 42000, false},
+    {8, 4, 12, 42000, false},   {128, 1, 128, 1024, false}, {128, 8, 16, 4096, false},
+};
+
+std::vector<Row> parse_rows(const std::string& spec) {
+  std::vector<Row> rows;
+  size_t pos = 0;
+  while (pos < spec.size()) {
+    size_t end = spec.find(';', pos);
+    if (end == std::string::npos) end = spec.size();
+    const std::string item = spec.substr(pos, end - pos);
+    Row r{};
+    char v = 0;
+    const int n = std::sscanf(item.c_str(), "%d,%d,%d,%d,%c", &r.b, &r.q, &r.h, &r.seq, &v);
+    if (n < 4 || r.b < 1 || r.q < 1 || r.h < 1 || r.seq < 1) {
+      std::fprintf(stderr, "bad row '%s' (want B,Q,H,SEQ[,v])\n", item.c_str());
+      std::exit(2);
+    }
+    r.varlen = n == 5 && v == 'v';
+    rows.push_back(r);
+    pos = end + 1;
+  }
+  return rows;
+}
+
+// Cheap normal-ish bf16 values (sum of four uniforms, variance 1): the
+// caches reach gigabytes, which std::normal_distribution fills slowly.
+struct FastRandom {
+  uint64_t s;
+  explicit FastRandom(uint64_t seed) : s(seed * 0x9E3779B97F4A7C15ull + 1) {}
+  uint32_t next() {
+    s ^= s << 13;
+    s ^= s >> 7;
+    s ^= s << 17;
+    return static_cast<uint32_t>(s >> 16);
+  }
+  float normal() {
+    float acc = 0;
+    for (int i = 0; i < 4; ++i) acc += static_cast<float>(next() & 0xffff) * (1.0f / 65536.0f);
+    return (acc - 2.0f) * 1.7320508f;
+  }
+};
+
+double now_s() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n == 0 ? NAN : n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+struct Dev {
+  void* p = nullptr;
+  explicit Dev(size_t bytes) { CUDA_OK(cudaMalloc(&p, std::max<size_t>(bytes, 16))); }
+  Dev(const Dev&) = delete;
+  ~Dev() { cudaFree(p); }
+};
+
+// What the FFI handler does on the host before the launches
+// (ffi/cuda_handlers.cc prepare()), with its inputs.
+struct HostPath {
+  std::string request_attr, config_attr;
+  int arch, sm_count, workspace_parts;
+};
+
+struct Prepared {
+  KernelConfig config;
+  DecodeWorkspace ws;
+  int parts = 1;
+  bool ok = false;
+  std::string error;
+};
+
+Prepared prepare(const HostPath& h, const PagedDecodeParams& p, char* workspace) {
+  Prepared out;
+  KernelConfig request, chosen;
+  std::string why;
+  if (!parse_config(h.request_attr, &request, &why) || !parse_config(h.config_attr, &chosen, &why)) {
+    out.error = why;
+    return out;
+  }
+  const DecodeFacts f = call_facts(DecodeOp::kPaged, p, h.arch, h.sm_count, build_has_sm90a(), h.workspace_parts);
+  Selection sel = select_kernel(f, chosen);
+  if (!sel.error.empty()) sel = select_kernel(f, request);
+  if (!sel.error.empty() || !sel.config.resolved()) {
+    out.error = sel.error.empty() ? "unresolved" : sel.error;
+    return out;
+  }
+  out.config = sel.config;
+  const WorkspaceLayout layout = workspace_layout(f.requests(), f.rows(), p.kv_lora_rank, h.workspace_parts);
+  out.ws = carve_workspace(workspace, layout);
+  out.parts = num_partitions(h.sm_count, f.rows(), h.workspace_parts);
+  out.ok = true;
+  return out;
+}
+
+struct Result {
+  std::string json;
+  bool ok = true;
+};
+
+struct Options {
+  KernelConfig request;
+  int max_num_splits = 0;
+  int reps = 10;
+};
+
+Result run_row(const Row& row, int index, const Options& opt, const DeviceInfo& dev, cudaStream_t stream) {
+  const int reps = opt.reps;
+  std::mt19937_64 rng(1000 + index);
+  FastRandom fr(7 + index);
+  // Lengths, pages.
+  std::vector<int32_t> seq(row.b, row.seq);
+  if (row.varlen) {
+    std::normal_distribution<double> nd(row.seq, row.seq / 2.0);
+    for (auto& s : seq) s = static_cast<int32_t>(std::clamp(nd(rng), double(row.q), 2.0 * row.seq));
+  }
+  int64_t sum_seq = 0;
+  int max_pages = 1, used = 0;
+  for (int s : seq) {
+    sum_seq += s;
+    max_pages = std::max(max_pages, (s + kPage - 1) / kPage);
+    used += (s + kPage - 1) / kPage;
+  }
+  const int num_pages = used + 3;
+  std::vector<int32_t> perm(num_pages), table(static_cast<size_t>(row.b) * max_pages, -1);
+  std::iota(perm.begin(), perm.end(), 0);
+  std::shuffle(perm.begin(), perm.end(), rng);
+  for (int b = 0, k = 0; b < row.b; ++b)
+    for (int j = 0; j < (seq[b] + kPage - 1) / kPage; ++j) table[static_cast<size_t>(b) * max_pages + j] = perm[k++];
+
+  const double flops = 2.0 * row.q * double(sum_seq) * row.h * (kDqk + kDn);
+  const double bytes = (double(sum_seq) * kDqk + double(row.b) * row.q * row.h * (kDqk + kDn)) * 2;
+  const double floor_us = std::max(bytes / 4.3e12, flops / 790e12) * 1e6;
+  const int n_hi = std::clamp(static_cast<int>(std::lround(10000.0 / std::max(1.5 * floor_us, 1e-3))), 8, 128);
+  const int n_lo = n_hi / 2;
+
+  const int64_t rows_total = int64_t{row.b} * row.q * row.h;
+  const size_t q_bytes = static_cast<size_t>(rows_total) * kDqk * 2;
+  const size_t cache_bytes = static_cast<size_t>(num_pages) * kPage * kDqk * 2;
+  const int copies = static_cast<int>(std::clamp(std::ceil(2 * kL2Bytes / double(cache_bytes)), 1.0, 64.0));
+
+  // Host data, device copies.
+  std::vector<uint16_t> hq(q_bytes / 2), hcache(cache_bytes / 2);
+  for (auto& x : hq) x = float_to_bf16(fr.normal());
+  for (auto& x : hcache) x = float_to_bf16(fr.normal());
+  std::vector<Dev*> qs, caches;
+  for (int i = 0; i < n_hi; ++i) {
+    qs.push_back(new Dev(q_bytes));
+    CUDA_OK(cudaMemcpy(qs.back()->p, hq.data(), q_bytes, cudaMemcpyHostToDevice));
+  }
+  for (int i = 0; i < copies; ++i) {
+    caches.push_back(new Dev(cache_bytes));
+    CUDA_OK(cudaMemcpy(caches.back()->p, hcache.data(), cache_bytes, cudaMemcpyHostToDevice));
+  }
+  Dev d_table(table.size() * 4), d_seq(seq.size() * 4), d_scale(4);
+  Dev d_out(static_cast<size_t>(rows_total) * kDn * 2), d_lse(static_cast<size_t>(rows_total) * 4);
+  const float one = 1.0f;
+  CUDA_OK(cudaMemcpy(d_table.p, table.data(), table.size() * 4, cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemcpy(d_seq.p, seq.data(), seq.size() * 4, cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemcpy(d_scale.p, &one, 4, cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemset(d_out.p, 0xff, static_cast<size_t>(rows_total) * kDn * 2));  // bf16 NaN
+  CUDA_OK(cudaMemset(d_lse.p, 0xff, static_cast<size_t>(rows_total) * 4));
+
+  auto params_for = [&](int i) {
+    PagedDecodeParams p{};
+    p.q_type = p.kv_type = ElemType::kBF16;
+    p.batch = row.b;
+    p.q_len = row.q;
+    p.num_heads = row.h;
+    p.num_pages = num_pages;
+    p.page_size = kPage;
+    p.kv_lora_rank = kDn;
+    p.qk_rope_head_dim = kDr;
+    p.sm_scale = 1.0f / std::sqrt(192.0f);
+    p.causal = row.q > 1;
+    p.q_nope = qs[i]->p;
+    p.q_pe = static_cast<char*>(qs[i]->p) + kDn * 2;
+    p.q_nope_row_stride = p.q_pe_row_stride = kDqk;
+    char* ckv = static_cast<char*>(caches[i % copies]->p);
+    p.ckv = ckv;
+    p.kpe = ckv + kDn * 2;
+    p.ckv_token_stride = p.kpe_token_stride = kDqk;
+    p.ckv_page_stride = p.kpe_page_stride = int64_t{kPage} * kDqk;
+    p.kv_scale = static_cast<const float*>(d_scale.p);
+    p.out = d_out.p;
+    p.lse = static_cast<float*>(d_lse.p);
+    p.block_table = static_cast<const int32_t*>(d_table.p);
+    p.seq_lens = static_cast<const int32_t*>(d_seq.p);
+    p.max_pages_per_seq = max_pages;
+    return p;
+  };
+  std::vector<PagedDecodeParams> params;
+  for (int i = 0; i < n_hi; ++i) params.push_back(params_for(i));
+
+  // The attributes a JAX call would carry: the configuration select_kernel
+  // picks with the device known, and the plan's request (all auto).
+  const int64_t rows = int64_t{row.q} * row.h;
+  const int workspace_parts = std::max<int>(1, dev.sm_count / static_cast<int>((rows + 63) / 64));
+  const DecodeFacts facts = call_facts(DecodeOp::kPaged, params[0], dev.arch, dev.sm_count, build_has_sm90a(),
+                                       workspace_parts);
+  const Selection chosen = select_kernel(facts, opt.request);
+  if (!chosen.error.empty()) {
+    std::fprintf(stderr, "%s: no kernel: %s\n", row.name().c_str(), chosen.error.c_str());
+    std::exit(2);
+  }
+  const HostPath host{format_config(opt.request), format_config(chosen.config), dev.arch, dev.sm_count,
+                      workspace_parts};
+  const WorkspaceLayout layout = workspace_layout(facts.requests(), facts.rows(), kDn, workspace_parts);
+  Dev d_ws(static_cast<size_t>(layout.total));
+  char* ws_base = static_cast<char*>(d_ws.p);
+
+  auto dispatch = [&](int i) {
+    const Prepared pr = prepare(host, params[i], ws_base);
+    if (!pr.ok) {
+      std::fprintf(stderr, "%s: prepare failed: %s\n", row.name().c_str(), pr.error.c_str());
+      std::exit(2);
+    }
+    CUDA_OK(run_paged_decode(params[i], pr.ws, pr.config, pr.parts, opt.max_num_splits, stream));
+  };
+
+  // Host costs, per call. The handler's preparation and the TMA encoding
+  // alone (no GPU work), then whole dispatches enqueued behind a busy GPU.
+  constexpr int kHostIters = 2000;
+  double t0 = now_s();
+  for (int k = 0; k < kHostIters; ++k) {
+    const Prepared pr = prepare(host, params[k % n_hi], ws_base);
+    if (!pr.ok) std::exit(2);
+  }
+  const double prepare_us = (now_s() - t0) / kHostIters * 1e6;
+  sm90::KvTma tma;
+  t0 = now_s();
+  for (int k = 0; k < kHostIters; ++k) sm90::make_kv_tma(params[k % n_hi], &tma);
+  const double tma_us = (now_s() - t0) / kHostIters * 1e6;
+  for (int i = 0; i < n_hi; ++i) dispatch(i);  // warm-up (function attributes, modules)
+  CUDA_OK(cudaStreamSynchronize(stream));
+  std::vector<double> enqueue;
+  for (int r = 0; r < 3; ++r) {
+    t0 = now_s();
+    for (int i = 0; i < n_hi; ++i) dispatch(i);
+    enqueue.push_back((now_s() - t0) / n_hi * 1e6);
+    CUDA_OK(cudaStreamSynchronize(stream));
+  }
+
+  // Stream launches (no graph), by events: slope between n_lo and n_hi.
+  cudaEvent_t e0, e1;
+  CUDA_OK(cudaEventCreate(&e0));
+  CUDA_OK(cudaEventCreate(&e1));
+  auto timed = [&](const std::function<void()>& fn) {
+    CUDA_OK(cudaEventRecord(e0, stream));
+    fn();
+    CUDA_OK(cudaEventRecord(e1, stream));
+    CUDA_OK(cudaEventSynchronize(e1));
+    float ms = 0;
+    CUDA_OK(cudaEventElapsedTime(&ms, e0, e1));
+    return double(ms) * 1e-3;
+  };
+  std::vector<double> stream_slopes;
+  for (int r = 0; r < reps; ++r) {
+    const double lo = timed([&] { for (int i = 0; i < n_lo; ++i) dispatch(i); });
+    const double hi = timed([&] { for (int i = 0; i < n_hi; ++i) dispatch(i); });
+    stream_slopes.push_back((hi - lo) / (n_hi - n_lo) * 1e6);
+  }
+
+  // CUDA graphs of n_lo and n_hi calls, captured as a serving stack
+  // captures them (the handler's host path runs during the capture).
+  std::vector<double> capture_us;
+  auto capture = [&](int n) {
+    cudaGraph_t g;
+    CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+    const double c0 = now_s();
+    for (int i = 0; i < n; ++i) dispatch(i);
+    capture_us.push_back((now_s() - c0) / n * 1e6);
+    CUDA_OK(cudaStreamEndCapture(stream, &g));
+    cudaGraphExec_t exec;
+    CUDA_OK(cudaGraphInstantiate(&exec, g, 0));
+    CUDA_OK(cudaGraphDestroy(g));
+    return exec;
+  };
+  cudaGraphExec_t g_lo = capture(n_lo), g_hi = capture(n_hi);
+  CUDA_OK(cudaGraphUpload(g_lo, stream));
+  CUDA_OK(cudaGraphUpload(g_hi, stream));
+  timed([&] { CUDA_OK(cudaGraphLaunch(g_lo, stream)); });
+  timed([&] { CUDA_OK(cudaGraphLaunch(g_hi, stream)); });
+  std::vector<double> graph_slopes, graph_per_call;
+  for (int r = 0; r < reps; ++r) {
+    const double lo = timed([&] { CUDA_OK(cudaGraphLaunch(g_lo, stream)); });
+    const double hi = timed([&] { CUDA_OK(cudaGraphLaunch(g_hi, stream)); });
+    graph_slopes.push_back((hi - lo) / (n_hi - n_lo) * 1e6);
+    graph_per_call.push_back(hi / n_hi * 1e6);
+  }
+  CUDA_OK(cudaStreamSynchronize(stream));
+
+  // Check request 0 of the last call against the CPU kernel.
+  std::vector<uint16_t> out(static_cast<size_t>(row.q) * row.h * kDn);
+  std::vector<float> lse(static_cast<size_t>(row.q) * row.h);
+  CUDA_OK(cudaMemcpy(out.data(), d_out.p, out.size() * 2, cudaMemcpyDeviceToHost));
+  CUDA_OK(cudaMemcpy(lse.data(), d_lse.p, lse.size() * 4, cudaMemcpyDeviceToHost));
+  PagedDecodeParams hp = params[0];
+  std::vector<uint16_t> ref_out(out.size());
+  std::vector<float> ref_lse(lse.size());
+  hp.batch = 1;
+  hp.q_nope = hq.data();
+  hp.q_pe = hq.data() + kDn;
+  hp.ckv = hcache.data();
+  hp.kpe = hcache.data() + kDn;
+  const float scale_host = 1.0f;
+  hp.kv_scale = &scale_host;
+  hp.block_table = table.data();
+  hp.seq_lens = seq.data();
+  hp.out = ref_out.data();
+  hp.lse = ref_lse.data();
+  const ParallelFor serial = [](int64_t n, const std::function<void(int64_t, int64_t)>& body) { body(0, n); };
+  paged_decode_cpu(hp, serial);
+  double worst = 0, worst_lse = 0;
+  bool finite = true;
+  for (size_t r = 0; r < lse.size(); ++r) {
+    double scale = 0;
+    for (int d = 0; d < kDn; ++d) scale = std::max(scale, double(std::fabs(bf16_to_float(ref_out[r * kDn + d]))));
+    for (int d = 0; d < kDn; ++d) {
+      const float g = bf16_to_float(out[r * kDn + d]), w = bf16_to_float(ref_out[r * kDn + d]);
+      finite = finite && std::isfinite(g);
+      worst = std::max(worst, std::fabs(double(g) - w) / std::max(scale, 1e-6));
+    }
+    finite = finite && std::isfinite(lse[r]);
+    worst_lse = std::max(worst_lse, double(std::fabs(lse[r] - ref_lse[r])));
+  }
+  const bool ok = finite && worst <= 1e-2 && worst_lse <= 1e-2;
+
+  const double graph_us = median(graph_slopes), stream_us = median(stream_slopes);
+  char buf[2048];
+  std::snprintf(buf, sizeof buf,
+                "{\"name\": \"%s\", \"b\": %d, \"q_len\": %d, \"h\": %d, \"seq\": %d, \"varlen\": %s, "
+                "\"sum_seq\": %lld, \"kernel_config\": \"%s\", \"max_num_splits\": %d, \"n_lo\": %d, \"n_hi\": %d, \"reps\": %d, "
+                "\"cache_copies\": %d, \"graph_us\": %.2f, \"graph_us_per_call_hi\": %.2f, \"stream_us\": %.2f, "
+                "\"tflops\": %.1f, \"gbs\": %.1f, \"host_prepare_us\": %.3f, \"host_tma_encode_us\": %.3f, "
+                "\"host_dispatch_us\": %.2f, \"host_capture_us\": %.2f, \"check_relerr\": %.2e, "
+                "\"check_dlse\": %.2e, \"check_ok\": %s}",
+                row.name().c_str(), row.b, row.q, row.h, row.seq, row.varlen ? "true" : "false",
+                static_cast<long long>(sum_seq), host.config_attr.c_str(), opt.max_num_splits, n_lo, n_hi, reps, copies, graph_us,
+                median(graph_per_call), stream_us, flops / graph_us * 1e-6, bytes / graph_us * 1e-3, prepare_us,
+                tma_us, median(enqueue), median(capture_us), worst, worst_lse, ok ? "true" : "false");
+  CUDA_OK(cudaGraphExecDestroy(g_lo));
+  CUDA_OK(cudaGraphExecDestroy(g_hi));
+  CUDA_OK(cudaEventDestroy(e0));
+  CUDA_OK(cudaEventDestroy(e1));
+  for (Dev* d : qs) delete d;
+  for (Dev* d : caches) delete d;
+  return {buf, ok};
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::vector<Row> rows = kDefaultRows;
+  Options opt;
+  const char* json_path = nullptr;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--rows" && i + 1 < argc) rows = parse_rows(argv[++i]);
+    else if (a == "--reps" && i + 1 < argc) opt.reps = std::max(1, std::atoi(argv[++i]));
+    else if (a == "--splits" && i + 1 < argc) opt.max_num_splits = std::max(0, std::atoi(argv[++i]));
+    else if (a == "--request" && i + 1 < argc) {
+      std::string why;
+      if (!parse_config(argv[++i], &opt.request, &why)) {
+        std::fprintf(stderr, "bad --request: %s\n", why.c_str());
+        return 2;
+      }
+    }
+    else if (a == "--json" && i + 1 < argc) json_path = argv[++i];
+    else {
+      std::fprintf(stderr, "usage: %s [--rows \"B,Q,H,SEQ[,v];...\"] [--request CONFIG] [--splits N] [--reps N] "
+                   "[--json PATH]\n", argv[0]);
+      return 2;
+    }
+  }
+  const DeviceInfo& dev = device_info(0);
+  CUDA_OK(dev.status);
+  cudaDeviceProp prop{};
+  CUDA_OK(cudaGetDeviceProperties(&prop, 0));
+  cudaStream_t stream;
+  CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  std::printf("# %s, sm_%d, %d SMs, sm_90a code %s\n", prop.name, dev.arch, dev.sm_count,
+              build_has_sm90a() ? "yes" : "no");
+  std::vector<std::string> lines;
+  int failed = 0;
+  for (size_t i = 0; i < rows.size(); ++i) {
+    const Result r = run_row(rows[i], static_cast<int>(i), opt, dev, stream);
+    std::printf("%s\n", r.json.c_str());
+    std::fflush(stdout);
+    lines.push_back(r.json);
+    failed += !r.ok;
+  }
+  if (json_path) {
+    FILE* f = std::fopen(json_path, "w");
+    if (!f) return 2;
+    std::fprintf(f, "{\"device\": \"%s\", \"sm_count\": %d, \"rows\": [\n", prop.name, dev.sm_count);
+    for (size_t i = 0; i < lines.size(); ++i) std::fprintf(f, "  %s%s\n", lines[i].c_str(), i + 1 < lines.size() ? "," : "");
+    std::fprintf(f, "]}\n");
+    std::fclose(f);
+  }
+  std::printf("# %d of %zu rows passed the check\n", static_cast<int>(rows.size()) - failed, rows.size());
+  return failed ? 1 : 0;
+}
