@@ -8,12 +8,15 @@
 // time, the handler's host time and what XLA adds.
 //
 //   mla_jax_decode_timing [--rows "B,Q,H,SEQ[,v];..."] [--request CONFIG] [--splits N]
-//                         [--reps N] [--json PATH]
+//                         [--normal-data] [--own-outputs] [--reps N] [--json PATH]
 //
 // --request: the plan's kernel configuration ("kernel,schedule,combine,
 // programmatic" as mla_jax.KernelChoice names them; default all auto),
 // resolved by select_kernel as a trace would; --splits: max_num_splits
-// (default 0, the scheduler's choice).
+// (default 0, the scheduler's choice); --normal-data fills the query and
+// cache from std::normal_distribution instead of the faster sum of four
+// uniforms; --own-outputs gives every call its own output, LSE and
+// workspace (as XLA does) instead of one set the calls share.
 // Rows default to bench_paged_decode.py's ROWS (bf16, page 64, random normal
 // values, pages a random permutation of the pool plus 3 spare pages,
 // sm_scale 1/sqrt(192), causal for Q > 1). A row ending in ",v" draws
@@ -184,6 +187,8 @@ struct Options {
   KernelConfig request;
   int max_num_splits = 0;
   int reps = 10;
+  bool normal_data = false;  // std::normal_distribution values (slower to fill)
+  bool own_outputs = false;  // every call its own output, LSE and workspace, as XLA gives them
 };
 
 Result run_row(const Row& row, int index, const Options& opt, const DeviceInfo& dev, cudaStream_t stream) {
@@ -223,8 +228,14 @@ Result run_row(const Row& row, int index, const Options& opt, const DeviceInfo& 
 
   // Host data, device copies.
   std::vector<uint16_t> hq(q_bytes / 2), hcache(cache_bytes / 2);
-  for (auto& x : hq) x = float_to_bf16(fr.normal());
-  for (auto& x : hcache) x = float_to_bf16(fr.normal());
+  if (opt.normal_data) {
+    std::normal_distribution<float> nd;
+    for (auto& x : hq) x = float_to_bf16(nd(rng));
+    for (auto& x : hcache) x = float_to_bf16(nd(rng));
+  } else {
+    for (auto& x : hq) x = float_to_bf16(fr.normal());
+    for (auto& x : hcache) x = float_to_bf16(fr.normal());
+  }
   std::vector<Dev*> qs, caches;
   for (int i = 0; i < n_hi; ++i) {
     qs.push_back(new Dev(q_bytes));
@@ -235,7 +246,14 @@ Result run_row(const Row& row, int index, const Options& opt, const DeviceInfo& 
     CUDA_OK(cudaMemcpy(caches.back()->p, hcache.data(), cache_bytes, cudaMemcpyHostToDevice));
   }
   Dev d_table(table.size() * 4), d_seq(seq.size() * 4), d_scale(4);
-  Dev d_out(static_cast<size_t>(rows_total) * kDn * 2), d_lse(static_cast<size_t>(rows_total) * 4);
+  const int n_out = opt.own_outputs ? n_hi : 1;
+  std::vector<Dev*> outs, lses;
+  for (int i = 0; i < n_out; ++i) {
+    outs.push_back(new Dev(static_cast<size_t>(rows_total) * kDn * 2));
+    lses.push_back(new Dev(static_cast<size_t>(rows_total) * 4));
+  }
+  Dev& d_out = *outs[n_out - 1];
+  Dev& d_lse = *lses[n_out - 1];
   const float one = 1.0f;
   CUDA_OK(cudaMemcpy(d_table.p, table.data(), table.size() * 4, cudaMemcpyHostToDevice));
   CUDA_OK(cudaMemcpy(d_seq.p, seq.data(), seq.size() * 4, cudaMemcpyHostToDevice));
@@ -264,8 +282,8 @@ Result run_row(const Row& row, int index, const Options& opt, const DeviceInfo& 
     p.ckv_token_stride = p.kpe_token_stride = kDqk;
     p.ckv_page_stride = p.kpe_page_stride = int64_t{kPage} * kDqk;
     p.kv_scale = static_cast<const float*>(d_scale.p);
-    p.out = d_out.p;
-    p.lse = static_cast<float*>(d_lse.p);
+    p.out = outs[i % n_out]->p;
+    p.lse = static_cast<float*>(lses[i % n_out]->p);
     p.block_table = static_cast<const int32_t*>(d_table.p);
     p.seq_lens = static_cast<const int32_t*>(d_seq.p);
     p.max_pages_per_seq = max_pages;
@@ -288,11 +306,12 @@ Result run_row(const Row& row, int index, const Options& opt, const DeviceInfo& 
   const HostPath host{format_config(opt.request), format_config(chosen.config), dev.arch, dev.sm_count,
                       workspace_parts};
   const WorkspaceLayout layout = workspace_layout(facts.requests(), facts.rows(), kDn, workspace_parts);
-  Dev d_ws(static_cast<size_t>(layout.total));
-  char* ws_base = static_cast<char*>(d_ws.p);
+  std::vector<Dev*> wss;
+  for (int i = 0; i < n_out; ++i) wss.push_back(new Dev(static_cast<size_t>(layout.total)));
+  auto ws_of = [&](int i) { return static_cast<char*>(wss[i % n_out]->p); };
 
   auto dispatch = [&](int i) {
-    const Prepared pr = prepare(host, params[i], ws_base);
+    const Prepared pr = prepare(host, params[i], ws_of(i));
     if (!pr.ok) {
       std::fprintf(stderr, "%s: prepare failed: %s\n", row.name().c_str(), pr.error.c_str());
       std::exit(2);
@@ -305,7 +324,7 @@ Result run_row(const Row& row, int index, const Options& opt, const DeviceInfo& 
   constexpr int kHostIters = 2000;
   double t0 = now_s();
   for (int k = 0; k < kHostIters; ++k) {
-    const Prepared pr = prepare(host, params[k % n_hi], ws_base);
+    const Prepared pr = prepare(host, params[k % n_hi], ws_of(k % n_hi));
     if (!pr.ok) std::exit(2);
   }
   const double prepare_us = (now_s() - t0) / kHostIters * 1e6;
@@ -425,6 +444,8 @@ Result run_row(const Row& row, int index, const Options& opt, const DeviceInfo& 
   CUDA_OK(cudaGraphExecDestroy(g_hi));
   CUDA_OK(cudaEventDestroy(e0));
   CUDA_OK(cudaEventDestroy(e1));
+  for (std::vector<Dev*>* v : {&outs, &lses, &wss})
+    for (Dev* d : *v) delete d;
   for (Dev* d : qs) delete d;
   for (Dev* d : caches) delete d;
   return {buf, ok};
@@ -440,6 +461,8 @@ int main(int argc, char** argv) {
     const std::string a = argv[i];
     if (a == "--rows" && i + 1 < argc) rows = parse_rows(argv[++i]);
     else if (a == "--reps" && i + 1 < argc) opt.reps = std::max(1, std::atoi(argv[++i]));
+    else if (a == "--normal-data") opt.normal_data = true;
+    else if (a == "--own-outputs") opt.own_outputs = true;
     else if (a == "--splits" && i + 1 < argc) opt.max_num_splits = std::max(0, std::atoi(argv[++i]));
     else if (a == "--request" && i + 1 < argc) {
       std::string why;
@@ -451,7 +474,7 @@ int main(int argc, char** argv) {
     else if (a == "--json" && i + 1 < argc) json_path = argv[++i];
     else {
       std::fprintf(stderr, "usage: %s [--rows \"B,Q,H,SEQ[,v];...\"] [--request CONFIG] [--splits N] [--reps N] "
-                   "[--json PATH]\n", argv[0]);
+                   "[--normal-data] [--own-outputs] [--json PATH]\n", argv[0]);
       return 2;
     }
   }
