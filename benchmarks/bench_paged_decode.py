@@ -619,27 +619,45 @@ def bench_row(i, row, args, ceil, anchors, primary, target, t_budget, peer=None)
 NATIVE_METHOD = (
     "mla_jax_graph_us: the same kernels without XLA (benchmarks/native/decode_timing.cc, a separate "
     "process before this one), timed as flashmla_us is: n calls in one CUDA graph, replayed, slope "
-    "between n/2 and n by CUDA events; its own random data of the same shape (varlen rows: its own "
-    "lengths). jax_over_graph_us = mla_jax_us - mla_jax_graph_us: what the jitted program costs "
+    "between n/2 and n by CUDA events; its own random data of the same shape and lengths (a row whose "
+    "token count differs from this run's or whose check failed gets no figure). jax_over_graph_us = mla_jax_us - mla_jax_graph_us: what the jitted program costs "
     "beyond the replayed kernels (launch gaps, host time the GPU does not hide, and run-to-run "
     "spread). host_prepare_us, host_tma_encode_us: the handler's per-call host work without launches.")
 
 
-def run_native_timing(binary, rows, reps=10, timeout_s=900):
-  """Runs the native timer on `rows`; returns {row name: its JSON record}, or {"error": why}."""
-  spec = ";".join(f"{r.b},{r.q},{r.h},{r.sk}" + (",v" if r.varlen else "") for r in rows)
-  try:
-    done = subprocess.run([binary, "--rows", spec, "--reps", str(reps)], capture_output=True, text=True,
-                          timeout=timeout_s)
-  except (OSError, subprocess.TimeoutExpired) as e:
-    return {"error": f"{type(e).__name__}: {e}"}
+def run_native_timing(binary, rows, reps=10, l2_mb=60.0, timeout_s=900):
+  """Runs the native timer on `rows` (varlen rows with this script's lengths, passed in a file);
+  returns {row name: its JSON record}, with "error" set when it did not finish cleanly."""
+  import tempfile
+  with tempfile.TemporaryDirectory() as d:
+    specs = []
+    for r in rows:
+      spec = f"{r.b},{r.q},{r.h},{r.sk}"
+      if r.varlen:
+        lens = Path(d) / f"{r.name}.txt"
+        lens.write_text(" ".join(str(int(x)) for x in r.seq_lens()))
+        spec += f",@{lens}"
+      specs.append(spec)
+    cmd = [binary, "--rows", ";".join(specs), "--reps", str(reps), "--l2-mb", str(l2_mb)]
+    try:
+      done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+      stdout, err = done.stdout, (None if done.returncode == 0 else
+                                  f"exit status {done.returncode}: {(done.stderr or done.stdout)[-300:]}")
+    except subprocess.TimeoutExpired as e:
+      out = e.stdout or ""
+      stdout, err = out.decode() if isinstance(out, bytes) else out, f"timed out after {timeout_s} s"
+    except OSError as e:
+      return {"error": f"{type(e).__name__}: {e}"}
   recs = {}
-  for line in done.stdout.splitlines():
+  for line in stdout.splitlines():
     if line.startswith("{"):
-      r = json.loads(line)
+      try:
+        r = json.loads(line)
+      except json.JSONDecodeError:
+        continue  # a line cut short: that row has no figure
       recs[r["name"]] = r
-  if done.returncode != 0:
-    recs["error"] = f"exit status {done.returncode}: {(done.stderr or done.stdout)[-300:]}"
+  if err:
+    recs["error"] = err
   print(f"native timing: {len(recs) - ('error' in recs)} rows"
         + (f" ({recs['error'][:200]})" if "error" in recs else ""), flush=True)
   return recs
@@ -650,7 +668,9 @@ def add_native(rec, nat):
   if not nat:
     return
   rec["native"] = nat
-  graph = nat.get("graph_us") if nat.get("check_ok") else None
+  # A figure counts only for the same work: its check passed and it covers as many tokens.
+  same = nat.get("check_ok") and ("sum_seq" not in rec or nat.get("sum_seq") == rec["sum_seq"])
+  graph = nat.get("graph_us") if same else None
   rec["mla_jax_graph_us"] = graph
   if graph and rec.get("mla_jax_us"):
     rec["jax_over_graph_us"] = rec["mla_jax_us"] - graph
@@ -891,7 +911,8 @@ def main(argv=None):
   rows_all = [smoke_row(r) for r in ROWS] if args.smoke else ROWS
   chosen = select_rows(rows_all, args.rows)
   # Before JAX takes the GPU: the native timer allocates its own buffers.
-  native = run_native_timing(args.native_timing, [r for _, r in chosen]) if args.native_timing else {}
+  native = (run_native_timing(args.native_timing, [r for _, r in chosen], l2_mb=args.l2_mb)
+            if args.native_timing else {})
   native_s = time.perf_counter() - t_start
   t_budget = time.perf_counter()  # --budget-s counts from here: the native timer's time is its own
   peer, why = None, "--flashmla off" if args.flashmla == "off" else "--smoke"

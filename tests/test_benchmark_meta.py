@@ -66,24 +66,34 @@ def _fake_timer(tmp_path, body):
 
 
 def test_native_timing_rows_reach_their_records(bench, tmp_path):
-  """The native timer's JSON lines land on the rows of the same name, with the derived fields."""
-  rows = [bench.Row(1, 1, 128, 4096), bench.Row(128, 1, 128, 4096, varlen=True)]
-  exe = _fake_timer(tmp_path, """case "$2" in "1,1,128,4096;128,1,128,4096,v") ;; *) exit 3;; esac
+  """The native timer gets the rows (a varlen row with the script's own lengths) and its JSON
+  lines land on the rows of the same name, with the derived fields."""
+  rows = [bench.Row(1, 1, 128, 4096), bench.Row(4, 1, 128, 4096, varlen=True)]
+  exe = _fake_timer(tmp_path, """echo "$@" > "$(dirname "$0")/args"
+spec=$2; lens=${spec#*@}; cat "$lens" > "$(dirname "$0")/lens"
 echo '# device line'
-echo '{"name": "b1q1h128s4096", "graph_us": 24.5, "check_ok": true, "kernel_config": "k"}'
-echo '{"name": "b128q1h128s4096v", "graph_us": 300.0, "check_ok": false}'
+echo '{"name": "b1q1h128s4096", "graph_us": 24.5, "check_ok": true, "sum_seq": 4096, "kernel_config": "k"}'
+echo '{"name": "b4q1h128s4096v", "graph_us": 300.0, "check_ok": false}'
+echo '{"name": "cut short'
 """)
-  nat = bench.run_native_timing(exe, rows)
-  assert sorted(nat) == ["b128q1h128s4096v", "b1q1h128s4096"]
-  rec = dict(mla_jax_us=28.0, flashmla_us=20.0)
+  nat = bench.run_native_timing(exe, rows, l2_mb=50.0)
+  assert "error" not in nat and sorted(nat) == ["b1q1h128s4096", "b4q1h128s4096v"]
+  args = (tmp_path / "args").read_text().split()
+  assert args[0] == "--rows" and args[1].startswith("1,1,128,4096;4,1,128,4096,@")
+  assert args[2:] == ["--reps", "10", "--l2-mb", "50.0"]
+  assert [int(x) for x in (tmp_path / "lens").read_text().split()] == list(rows[1].seq_lens())
+  rec = dict(mla_jax_us=28.0, flashmla_us=20.0, sum_seq=4096)
   bench.add_native(rec, nat["b1q1h128s4096"])
   assert rec["mla_jax_graph_us"] == 24.5
   assert rec["jax_over_graph_us"] == pytest.approx(3.5)
   assert rec["graph_over_flashmla"] == pytest.approx(24.5 / 20.0)
-  # A row whose output failed the timer's check gives no time.
+  # A row whose output failed the timer's check gives no time, nor one of other work.
   rec = dict(mla_jax_us=310.0)
-  bench.add_native(rec, nat["b128q1h128s4096v"])
+  bench.add_native(rec, nat["b4q1h128s4096v"])
   assert rec["mla_jax_graph_us"] is None and "jax_over_graph_us" not in rec
+  rec = dict(mla_jax_us=28.0, sum_seq=8192)
+  bench.add_native(rec, nat["b1q1h128s4096"])
+  assert rec["mla_jax_graph_us"] is None
 
 
 def test_native_timing_failure_is_recorded(bench, tmp_path):

@@ -1,10 +1,11 @@
-"""The standalone kernel driver (tests/native/kernel_driver.cc) keeps compiling.
+"""The native tools over the CUDA decode path keep compiling.
 
-The driver runs the CUDA decode path without XLA for compute-sanitizer
-(scripts/sanitize.sh builds and runs it on a GPU machine). CI has nvcc but no
-GPU: this compiles the driver's host code against the headers it shares with
-the extension, so that an interface change breaks here rather than on the
-GPU machine. Skipped where nvcc is missing.
+tests/native/kernel_driver.cc runs the path without XLA for compute-sanitizer
+(scripts/sanitize.sh builds and runs it on a GPU machine);
+benchmarks/native/decode_timing.cc times it by CUDA-graph replay. CI has nvcc
+but no GPU: this compiles their host code against the headers they share with
+the extension, so that an interface change breaks here rather than on the GPU
+machine. Skipped where nvcc is missing.
 """
 
 import os
@@ -16,12 +17,13 @@ import pytest
 from test_sm90_layout import _nvcc
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-SOURCE = ROOT / "tests" / "native" / "kernel_driver.cc"
+SOURCES = [ROOT / "tests" / "native" / "kernel_driver.cc", ROOT / "benchmarks" / "native" / "decode_timing.cc"]
 
 
-def test_kernel_driver_compiles(tmp_path):
+@pytest.mark.parametrize("source", SOURCES, ids=lambda p: p.stem)
+def test_native_tool_compiles(tmp_path, source):
   nvcc = _nvcc()
-  if nvcc is None or not SOURCE.exists():
+  if nvcc is None or not source.exists():
     pytest.skip("needs nvcc and the source tree")
   # nvcc puts the toolkit's include folder on the path; CUDA 13 keeps CCCL
   # in include/cccl, which the host compiler needs named.
@@ -30,6 +32,6 @@ def test_kernel_driver_compiles(tmp_path):
           if home and os.path.isdir(f"{home}/include/cccl")][:1]
   build = subprocess.run(
       [nvcc, "-std=c++17", "-x", "c++", "-c", f"-I{ROOT}", *cccl,
-       "-o", str(tmp_path / "kernel_driver.o"), str(SOURCE)],
+       "-o", str(tmp_path / f"{source.stem}.o"), str(source)],
       capture_output=True, text=True, timeout=300)
   assert build.returncode == 0, build.stdout + build.stderr

@@ -52,22 +52,13 @@
 #include "csrc/cpu/sparse_decode_cpu.h"
 #include "csrc/dispatch/decode.h"
 #include "csrc/dispatch/select.h"
+#include "tests/native/cuda_ok.h"
 
 namespace {
 
 using namespace mla_jax;
 
 constexpr int kDn = 512, kDr = 64, kDqk = kDn + kDr;
-
-#define CUDA_OK(expr)                                                                               \
-  do {                                                                                              \
-    cudaError_t e_ = (expr);                                                                        \
-    if (e_ != cudaSuccess) {                                                                        \
-      std::fprintf(stderr, "CUDA error %s at %s:%d: %s\n", cudaGetErrorName(e_), __FILE__, __LINE__, \
-                   cudaGetErrorString(e_));                                                         \
-      std::exit(2);                                                                                 \
-    }                                                                                               \
-  } while (0)
 
 // A host array and its device copy of exactly the same size.
 struct Buf {
