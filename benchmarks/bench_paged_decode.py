@@ -620,14 +620,19 @@ NATIVE_METHOD = (
     "mla_jax_graph_us: the same kernels without XLA (benchmarks/native/decode_timing.cc, a separate "
     "process before this one), timed as flashmla_us is: n calls in one CUDA graph, replayed, slope "
     "between n/2 and n by CUDA events; its own random data of the same shape and lengths (a row whose "
-    "token count differs from this run's or whose check failed gets no figure). jax_over_graph_us = mla_jax_us - mla_jax_graph_us: what the jitted program costs "
-    "beyond the replayed kernels (launch gaps, host time the GPU does not hide, and run-to-run "
+    "token count differs from this run's or whose check failed gets no figure). "
+    "jax_over_graph_us = mla_jax_us - mla_jax_graph_us: what the jitted program costs beyond the replayed kernels (launch gaps, host time the GPU does not hide, and run-to-run "
     "spread). host_prepare_us, host_tma_encode_us: the handler's per-call host work without launches.")
 
 
 def run_native_timing(binary, rows, reps=10, l2_mb=60.0, timeout_s=900):
-  """Runs the native timer on `rows` (varlen rows with this script's lengths, passed in a file);
-  returns {row name: its JSON record}, with "error" set when it did not finish cleanly."""
+  """Runs the native timer `binary` on `rows` (Row list; varlen rows get this script's lengths,
+  passed in a file), `reps` repetitions, cache rotation over 2 x `l2_mb` MB.
+
+  Returns {row name: the timer's JSON record (times in µs: graph_us, stream_us, host_*_us)};
+  key "error" holds why the timer did not finish cleanly (exit status, timeout, not found).
+  Never raises for the timer's failures.
+  """
   import tempfile
   with tempfile.TemporaryDirectory() as d:
     specs = []
@@ -664,7 +669,9 @@ def run_native_timing(binary, rows, reps=10, l2_mb=60.0, timeout_s=900):
 
 
 def add_native(rec, nat):
-  """Adds the native timer's figures for this row to the row's record."""
+  """Adds the native record `nat` (or None) to the row record `rec`, in place: `native`, and
+  mla_jax_graph_us (µs; None unless the timer's check passed on the same token count),
+  jax_over_graph_us (µs) and graph_over_flashmla (ratio) where their inputs exist."""
   if not nat:
     return
   rec["native"] = nat
