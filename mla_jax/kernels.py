@@ -23,7 +23,7 @@ import numpy as np
 
 from . import _ffi
 
-KERNELS = ("auto", "portable", "sm90_lockstep", "sm90_seesaw")
+KERNELS = ("auto", "portable", "sm90_lockstep", "sm90_seesaw", "sm90_swapab")
 SCHEDULES = ("auto", "kernel", "inline", "block")
 COMBINE_GRIDS = ("auto", "block", "rows", "slices")
 
@@ -47,8 +47,11 @@ class KernelChoice:
   Attributes:
     kernel: "auto", "portable" (``mma.sync``, any CUDA GPU, every cache
       format), "sm90_lockstep" (Hopper ``wgmma``, any page size; rows in
-      blocks of 64) or "sm90_seesaw" (Hopper ``wgmma`` with TMA
-      loads; paged decode with ``page_size`` a multiple of 64).
+      blocks of 64), "sm90_seesaw" (Hopper ``wgmma`` with TMA
+      loads; paged decode with ``page_size`` a multiple of 64) or
+      "sm90_swapab" (Hopper ``wgmma`` with the tokens as M: a
+      ``float8_e4m3fn`` cache, ``page_size`` a multiple of 64, at most 16
+      query rows per request).
     schedule: who computes the split-KV schedule: "auto", "kernel" (the
       scheduler kernel, before the decode), "inline" (one warp of every
       seesaw CTA, up to 32 requests) or "block" (every seesaw CTA).

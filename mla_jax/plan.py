@@ -65,7 +65,7 @@ class DecodePlan:
       (the pure-JAX reference formulation).
     kernel: which CUDA kernels serve the call: "auto" (chosen from the
       call's static facts, see :func:`mla_jax.explain`), a kernel name
-      ("portable", "sm90_lockstep", "sm90_seesaw"), or a
+      ("portable", "sm90_lockstep", "sm90_seesaw", "sm90_swapab"), or a
       :class:`mla_jax.KernelChoice`; stored as a KernelChoice.
 
   Integer and float fields accept NumPy scalars and store Python numbers.

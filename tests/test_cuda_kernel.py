@@ -556,7 +556,7 @@ def test_equal_pieces_schedule_when_requests_are_few(heads, k, seq_len):
     np.testing.assert_array_equal(results[0][1], other[1])
 
 
-@pytest.mark.parametrize("kernel", ["auto", "sm90_lockstep", "portable"])
+@pytest.mark.parametrize("kernel", ["auto", "sm90_lockstep", "sm90_swapab", "portable"])
 @pytest.mark.parametrize("heads,q_len,page_size,dtype,layout", [
     (128, 1, 64, jnp.bfloat16, "packed"),
     (64, 2, 16, jnp.float16, "pair"),
@@ -566,14 +566,24 @@ def test_equal_pieces_schedule_when_requests_are_few(heads, k, seq_len):
     (128, 4, 32, jnp.bfloat16, "pair"),
     (32, 1, 16, jnp.bfloat16, "pair"),     # 17-32 rows: the lock-step kernel too (one zero-filled block)
     (12, 2, 64, jnp.float16, "packed"),
+    (16, 1, 64, jnp.bfloat16, "packed"),   # <= 16 rows, page_size a multiple of 64: the swap-AB kernel
+    (12, 1, 128, jnp.float16, "pair"),
+    (8, 2, 64, jnp.bfloat16, "pair"),
+    (1, 1, 256, jnp.bfloat16, "packed"),
+    (3, 4, 64, jnp.float16, "packed"),
 ])
 def test_fp8_cache_kernels(kernel, heads, q_len, page_size, dtype, layout):
-  # More than 16 query rows run the lock-step wgmma kernel on sm_90 (auto),
-  # which converts the e4m3 rows on chip; against the reference with ragged
-  # and zero lengths, splits, MTP, bad pages, both cache layouts, and NaN
-  # (e4m3 0x7F) in every slot no valid request may read.
-  if kernel == "sm90_lockstep" and not _hopper_kernels_available():
-    pytest.skip("the lock-step kernel needs an sm_90 GPU and a build with sm_90a code")
+  # On sm_90 (auto) more than 16 query rows run the lock-step wgmma kernel,
+  # which converts the e4m3 rows on chip, and 16 or fewer over pages of a
+  # multiple of 64 tokens the swap-AB kernel; against the reference with
+  # ragged and zero lengths, splits, MTP, bad pages, both cache layouts, and
+  # NaN (e4m3 0x7F) in every slot no valid request may read.
+  rows = heads * q_len
+  swapab_shape = rows <= 16 and page_size % 64 == 0
+  if kernel in ("sm90_lockstep", "sm90_swapab") and not _hopper_kernels_available():
+    pytest.skip(f"{kernel} needs an sm_90 GPU and a build with sm_90a code")
+  if kernel == "sm90_swapab" and not swapab_shape:
+    pytest.skip("sm90_swapab serves at most 16 query rows over pages of a multiple of 64 tokens")
   rng = np.random.default_rng(heads + 3 * q_len + page_size)
   lens = [0, 1, q_len, 63, 64, 65, max(page_size - 1, 1), page_size + 1, 2500, 11000, 300, 300]
   d = random_paged_inputs(rng, lens, num_heads=heads, page_size=page_size, q_len=q_len)
@@ -593,7 +603,8 @@ def test_fp8_cache_kernels(kernel, heads, q_len, page_size, dtype, layout):
                             causal=q_len > 1, backend="cuda", kernel=kernel)
   if kernel == "auto" and _hopper_kernels_available():
     got = mla_jax.explain(plan, q, cache, bt, sl, kv_scale=jnp.float32(0.37))
-    assert got.kernel.kernel == "sm90_lockstep", str(got)
+    want = "sm90_lockstep" if rows > 16 else "sm90_swapab" if swapab_shape else "portable"
+    assert got.kernel.kernel == want, str(got)
   _poison_allocator()
   out, lse = mla_jax.paged_decode(q, cache, jnp.asarray(bt), jnp.asarray(sl), plan=plan, return_lse=True,
                                   kv_scale=jnp.float32(0.37))

@@ -95,7 +95,7 @@ def draw(seed: int) -> Case:
               q_axis=bool(q_len > 1 or rng.random() < 0.5), scatter=bool(rng.random() < 0.8),
               seq_lens=lens, spare_cols=int(rng.integers(0, 3)), spare_fill=str(rng.choice(["-1", "junk"])),
               invalid=invalid,
-              kernel=str(rng.choice(["auto", "auto", "portable", "sm90_lockstep", "sm90_seesaw"])))
+              kernel=str(rng.choice(["auto", "auto", "portable", "sm90_lockstep", "sm90_seesaw", "sm90_swapab"])))
 
 
 def build(case: Case):

@@ -48,4 +48,5 @@ def test_sm90_layouts_agree_with_cute(tmp_path):
     assert build.returncode == 0, build.stdout + build.stderr
     run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stdout + run.stderr
-    assert "bf16: ok" in run.stdout and "fp16: ok" in run.stdout, run.stdout
+    for name in ("bf16", "fp16", "swapab16", "swapab32"):
+        assert f"{name}: ok" in run.stdout, run.stdout

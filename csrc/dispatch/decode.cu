@@ -48,10 +48,13 @@ cudaError_t run_paged_decode(const PagedDecodeParams& params, const DecodeWorksp
   cudaError_t err = cudaSuccess;
   switch (config.kernel) {
     case KernelFamily::kSm90Seesaw:
-    case KernelFamily::kSm90Lockstep: {
+    case KernelFamily::kSm90Lockstep:
+    case KernelFamily::kSm90SwapAB: {
 #if defined(MLA_JAX_SM90A)
       const bool seesaw = config.kernel == KernelFamily::kSm90Seesaw;
-      if (params.kv_format == KvFormat::kFp8DsMla) {
+      if (config.kernel == KernelFamily::kSm90SwapAB) {
+        err = sm90::run_decode_fp8_swapab(params, ws, schedule, stream);
+      } else if (params.kv_format == KvFormat::kFp8DsMla) {
         err = seesaw ? cudaErrorNotSupported : sm90::run_decode_ds_mla(params, ws, schedule, stream);
       } else if (params.kv_type == ElemType::kFP8E4M3) {
         err = seesaw ? cudaErrorNotSupported : sm90::run_decode_fp8(params, ws, schedule, stream);

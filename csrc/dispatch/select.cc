@@ -19,6 +19,7 @@ const char* family_name(KernelFamily k) {
     case KernelFamily::kPortable: return "portable";
     case KernelFamily::kSm90Lockstep: return "sm90_lockstep";
     case KernelFamily::kSm90Seesaw: return "sm90_seesaw";
+    case KernelFamily::kSm90SwapAB: return "sm90_swapab";
     default: return "auto";
   }
 }
@@ -110,7 +111,8 @@ bool parse_config(std::string_view text, KernelConfig* c, std::string* why) {
     start = comma + 1;
   }
   static constexpr KernelFamily kFamilies[] = {KernelFamily::kAuto, KernelFamily::kPortable,
-                                               KernelFamily::kSm90Lockstep, KernelFamily::kSm90Seesaw};
+                                               KernelFamily::kSm90Lockstep, KernelFamily::kSm90Seesaw,
+                                               KernelFamily::kSm90SwapAB};
   static constexpr ScheduleMode kSchedules[] = {ScheduleMode::kAuto, ScheduleMode::kSchedulerKernel,
                                                 ScheduleMode::kInline, ScheduleMode::kBlock};
   static constexpr CombineGrid kGrids[] = {CombineGrid::kAuto, CombineGrid::kBlock, CombineGrid::kRows,
@@ -170,6 +172,12 @@ Selection select_kernel(const DecodeFacts& f, const KernelConfig& requested, std
   // (docs/perf.md, "FP8 caches"); with 16 rows or fewer the portable
   // kernel's 16-row block is.
   const bool lockstep_rows = fp8 ? rows > 16 : wide;
+  // The swap-AB kernel: a dense e4m3 cache TMA loads tile by tile (its
+  // boxes land the raw bytes), 16 query rows or fewer (wgmma's N).
+  const bool swapab = f.op == DecodeOp::kPaged && f.kv_format == KvFormat::kPlain &&
+                      f.kv_type == ElemType::kFP8E4M3 && f.page_size % 64 == 0 && f.kv_aligned &&
+                      f.kv_pages_contiguous && rows <= kSwapAbMaxRows &&
+                      (slots < 0 || (slots > 0 && slots <= INT32_MAX));
 
   // 1. The decode kernel.
   if (c.kernel == KernelFamily::kAuto) {
@@ -185,6 +193,11 @@ Selection select_kernel(const DecodeFacts& f, const KernelConfig& requested, std
       note([&] { return std::string(!f.kv_pages_contiguous ? "kernel: portable (the cache's pages are not laid end to end)"
                : fp8 ? "kernel: portable (FP8 cache rows not 16-byte aligned)"
                      : "kernel: portable (the cache's dtype differs from the query's)"); });
+    } else if (swapab) {
+      c.kernel = KernelFamily::kSm90SwapAB;
+      note([&] { return std::string("kernel: sm90_swapab (sm_90, a float8_e4m3fn cache with page_size a multiple of 64 and " +
+           std::to_string(rows) + " query rows per request: tokens as wgmma's M, the rows as its N, e4m3 converted "
+           "into fp16 registers)"); });
     } else if (tma) {
       c.kernel = KernelFamily::kSm90Seesaw;
       note([&] { return std::string("kernel: sm90_seesaw (sm_90, a paged cache whose page_size is a multiple of 64: TMA loads whole "
@@ -200,7 +213,8 @@ Selection select_kernel(const DecodeFacts& f, const KernelConfig& requested, std
            "tile by tile: the portable kernel's " + std::to_string(portable_rows_per_cta(rows)) + "-row blocks)"); });
     }
   } else {
-    const bool sm90 = c.kernel == KernelFamily::kSm90Lockstep || c.kernel == KernelFamily::kSm90Seesaw;
+    const bool sm90 = c.kernel == KernelFamily::kSm90Lockstep || c.kernel == KernelFamily::kSm90Seesaw ||
+                      c.kernel == KernelFamily::kSm90SwapAB;
     if (sm90) {
       if (arch_known && !sm90_device)
         return fail(std::string("kernel '") + family_name(c.kernel) + "' needs an sm_90 device, this one is " + arch_str(f.arch));
@@ -212,6 +226,10 @@ Selection select_kernel(const DecodeFacts& f, const KernelConfig& requested, std
         return fail("kernel 'sm90_lockstep' serves bf16/fp16 caches in the query dtype with pages laid end to end, "
                     "and FP8 caches (e4m3 with kv_scale, fp8_ds_mla) with pages laid end to end and 16-byte "
                     "aligned rows, only");
+      if (c.kernel == KernelFamily::kSm90SwapAB && !swapab)
+        return fail("kernel 'sm90_swapab' serves paged decode over a float8_e4m3fn cache with page_size a multiple "
+                    "of 64, pages laid end to end, 16-byte aligned rows and at most " +
+                    std::to_string(kSwapAbMaxRows) + " query rows per request (q_len x heads), only");
       if (c.kernel == KernelFamily::kSm90Seesaw && !tma)
         return fail("kernel 'sm90_seesaw' needs TMA loads: paged decode with page_size a multiple of 64 and "
                     "16-byte aligned cache rows");

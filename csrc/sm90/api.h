@@ -28,6 +28,11 @@ cudaError_t run_decode_fp16(const PagedDecodeParams& params, const DecodeWorkspa
 // kv_scale, and DeepSeek V3.2 fp8_ds_mla; bf16 or fp16 query.
 cudaError_t run_decode_fp8(const PagedDecodeParams& params, const DecodeWorkspace& ws,
                            const SplitSchedule& schedule, cudaStream_t stream);
+// Swap-AB kernel (decode_swapab.cuh): float8_e4m3fn cache with one
+// kv_scale, paged with page_size a multiple of 64 (TMA), at most 16 query
+// rows per request; cudaErrorNotSupported otherwise.
+cudaError_t run_decode_fp8_swapab(const PagedDecodeParams& params, const DecodeWorkspace& ws,
+                                  const SplitSchedule& schedule, cudaStream_t stream);
 cudaError_t run_decode_ds_mla(const PagedDecodeParams& params, const DecodeWorkspace& ws,
                               const SplitSchedule& schedule, cudaStream_t stream);
 

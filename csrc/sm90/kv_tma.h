@@ -17,7 +17,7 @@ namespace mla_jax {
 namespace sm90 {
 
 struct KvTma {
-  CUtensorMap ckv;  // [num_pages * page_size rows, 512], box 64 x 64, SWIZZLE_128B
+  CUtensorMap ckv;  // [num_pages * page_size rows, 512], box 64 x 64, SWIZZLE_128B (FP8: see below)
   CUtensorMap kpe;  // [num_pages * page_size rows, 64], same box
   int enabled = 0;  // 0: use the cp.async path
 };
@@ -32,6 +32,12 @@ bool kv_tma_applies(const PagedDecodeParams& p);
 // descriptors. Host only; no stream work, so it is safe while XLA
 // captures the call into a command buffer.
 void make_kv_tma(const PagedDecodeParams& p, KvTma* tma);
+
+// The same for a dense float8_e4m3fn cache (the swap-AB kernel,
+// decode_swapab.cuh): ckv in boxes of 64 rows x 128 bytes, SWIZZLE_128B;
+// kpe in boxes of 64 rows x 64 bytes, unswizzled. Host only.
+bool kv_tma_fp8_applies(const PagedDecodeParams& p);
+void make_kv_tma_fp8(const PagedDecodeParams& p, KvTma* tma);
 
 }  // namespace sm90
 }  // namespace mla_jax

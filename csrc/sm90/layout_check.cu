@@ -10,10 +10,17 @@
 //     (t / 32) * 16 + (t % 32) / 4 + 8 * ((i / 2) % 2), and column
 //     accumulator_col(t, i) = 2 * (t % 4) + i % 2 + 8 * (i / 4), so
 //     elements 2k, 2k + 1 are adjacent columns of one row.
+//   - the swap-AB kernel (swapab_traits.h): kmajor_offset() is where its
+//     LayoutQ and LayoutP put each element; query_k() is a permutation of
+//     each 64-feature block; its register A operands (m64k16) and its
+//     accumulators hold, in element e of thread t, row
+//     accumulator_row_base(t) + 8 * ((e / 2) % 2) and column (k)
+//     accumulator_col(t, e), the mapping its conversions fill them by.
 // Exit status 0 when every check holds.
 #include <cstdio>
 
 #include "csrc/sm90/decode_kernel.cuh"
+#include "csrc/sm90/swapab_traits.h"
 
 using namespace cute;
 
@@ -96,8 +103,66 @@ int check_traits(const char* name) {
   return bad;
 }
 
+template <typename Tr>
+int check_swapab(const char* name) {
+  using mla_jax::sm90::accumulator_col;
+  using mla_jax::sm90::accumulator_row_base;
+  int bad = 0;
+  constexpr int kN = Tr::kN;
+  alignas(1024) static typename Tr::Elem buf[kN * Tr::kDimQK];
+  const char* base = reinterpret_cast<const char*>(buf);
+  auto sQ = make_tensor(make_smem_ptr(buf), typename Tr::LayoutQ{});
+  auto sP = make_tensor(make_smem_ptr(buf), typename Tr::LayoutP{});
+  for (int r = 0; r < kN; ++r) {
+    for (int k = 0; k < Tr::kDimQK; ++k) {
+      const long at = reinterpret_cast<const char*>(&sQ(r, k)) - base;
+      if (at != mla_jax::sm90::kmajor_offset<kN>(r, k) && bad++ < 5)
+        std::printf("%s: Q(%d, %d) at %ld, kmajor_offset says %d\n", name, r, k, at, mla_jax::sm90::kmajor_offset<kN>(r, k));
+      if (k < Tr::kBlockN) {
+        const long p_at = reinterpret_cast<const char*>(&sP(r, k)) - base;
+        if (p_at != mla_jax::sm90::kmajor_offset<kN>(r, k) && bad++ < 5) std::printf("%s: P(%d, %d) misplaced\n", name, r, k);
+      }
+    }
+  }
+  for (int blk = 0; blk < Tr::kDimQK / 64; ++blk) {
+    bool seen[64] = {};
+    for (int f = 64 * blk; f < 64 * blk + 64; ++f) {
+      const int k = mla_jax::sm90::query_k(f);
+      if ((k / 64 != blk || seen[k % 64]) && bad++ < 5) std::printf("%s: query_k(%d) = %d\n", name, f, k);
+      if (k / 64 == blk) seen[k % 64] = true;
+    }
+  }
+  auto mma = make_tiled_mma(typename Tr::Mma{});
+  auto check = [&](auto coords, int t, const char* which) {
+    for (int e = 0; e < int(size(coords)); ++e) {
+      const int row = get<0>(coords(e)), col = get<1>(coords(e));
+      const int want_row = accumulator_row_base(t) + 8 * ((e >> 1) & 1), want_col = accumulator_col(t, e);
+      if ((row != want_row || col != want_col) && bad++ < 5)
+        std::printf("%s %s: thread %d element %d at (%d, %d), expected (%d, %d)\n", name, which, t, e, row, col,
+                    want_row, want_col);
+    }
+  };
+  for (int t = 0; t < 128; ++t) {
+    auto thr = mma.get_thread_slice(t);
+    check(thr.partition_A(make_identity_tensor(Shape<_64, _16>{})), t, "A");
+    check(thr.partition_C(make_identity_tensor(Shape<_64, Int<kN>>{})), t, "C");
+    // The O^T accumulator's m-block mb holds rows 64 mb + the same rows.
+    auto o = thr.partition_C(make_identity_tensor(Shape<_512, Int<kN>>{}));
+    for (int i = 0; i < int(size(o)); ++i) {
+      const int e = i % (kN / 2), mb = i / (kN / 2);
+      if ((get<0>(o(i)) != 64 * mb + accumulator_row_base(t) + 8 * ((e >> 1) & 1) || get<1>(o(i)) != accumulator_col(t, e)) &&
+          bad++ < 5)
+        std::printf("%s O: thread %d element %d at (%d, %d)\n", name, t, i, int(get<0>(o(i))), int(get<1>(o(i))));
+    }
+  }
+  std::printf("%s: %s\n", name, bad ? "FAILED" : "ok");
+  return bad;
+}
+
 int main() {
   int bad = check_traits<mla_jax::sm90::DecodeTraits<__nv_bfloat16>>("bf16");
   bad += check_traits<mla_jax::sm90::DecodeTraits<__half>>("fp16");
+  bad += check_swapab<mla_jax::sm90::SwapAbTraits<__nv_bfloat16, 16>>("swapab16");
+  bad += check_swapab<mla_jax::sm90::SwapAbTraits<__nv_bfloat16, 32>>("swapab32");
   return bad ? 1 : 0;
 }

@@ -26,7 +26,7 @@
 // equal infinities, elsewhere an error <= 1e-2 of the row's largest value
 // plus one unit in the last place of the output type (both outputs are
 // rounded to it) and |d lse| <= 1e-2. Cases cycle through the kernel
-// requests auto, portable, sm90_lockstep and sm90_seesaw, each drawn from
+// requests auto, portable, sm90_lockstep, sm90_seesaw and sm90_swapab, each drawn from
 // the shapes that kernel serves (a kernel that cannot serve its case fails
 // it; a schedule or combine request it cannot serve runs as auto, noted in
 // the case's line). Exit status 0 when every case matches, 1
@@ -131,11 +131,13 @@ T pick(std::mt19937_64& rng, std::initializer_list<T> xs) {
 
 // kernel: the kernel requested; the shape is drawn among those it serves
 // (sm90_seesaw: paged bf16/fp16 caches with page_size a multiple of 64;
-// sm90_lockstep: any number of query rows per request).
+// sm90_swapab: paged e4m3 caches with page_size a multiple of 64 and at
+// most 16 query rows; sm90_lockstep: any number of query rows per request).
 Case draw_case(std::mt19937_64& rng, const std::string& kernel) {
   Case c;
   const bool seesaw = kernel == "sm90_seesaw";
-  c.sparse = !seesaw && rng() % 3 == 0;
+  const bool swapab = kernel == "sm90_swapab";
+  c.sparse = !seesaw && !swapab && rng() % 3 == 0;
   c.q_type = rng() % 4 == 0 ? ElemType::kF16 : ElemType::kBF16;
   c.q_packed = rng() % 2;
   c.heads = pick(rng, {1, 3, 12, 16, 32, 48, 64, 96, 128});
@@ -149,12 +151,16 @@ Case draw_case(std::mt19937_64& rng, const std::string& kernel) {
     c.sink = rng() % 2;
     c.max_num_splits = 0;
   } else {
-    c.cache = !seesaw && rng() % 2 ? Case::kFp8 : Case::kNative;
+    c.cache = swapab || (!seesaw && rng() % 2) ? Case::kFp8 : Case::kNative;
     c.kv_packed = rng() % 2;
-    if (seesaw) c.page_size = pick(rng, {64, 128});
+    if (seesaw || swapab) c.page_size = pick(rng, {64, 128});
     c.batch = 1 + rng() % 6;
     c.q_len = pick(rng, {1, 1, 2, 3, 4});
     c.causal = rng() % 4 != 0;
+    if (swapab) {  // q_len x heads <= 16
+      c.heads = pick(rng, {1, 3, 8, 12, 16});
+      c.q_len = std::max(1, std::min(c.q_len, 16 / c.heads));
+    }
   }
   const std::string schedule = pick<const char*>(rng, {"auto", "auto", "kernel", "inline", "block"});
   const std::string combine = pick<const char*>(rng, {"auto", "auto", "block", "rows", "slices"});
@@ -522,8 +528,8 @@ int main(int argc, char** argv) {
   std::map<std::string, int> ran;  // configurations that ran, with their counts
   for (int i = 0; i < n; ++i) {
     std::mt19937_64 rng(seed + static_cast<uint64_t>(i));
-    static const char* const kKernels[] = {"auto", "portable", "sm90_lockstep", "sm90_seesaw"};
-    const Case c = draw_case(rng, kKernels[i % 4]);
+    static const char* const kKernels[] = {"auto", "portable", "sm90_lockstep", "sm90_seesaw", "sm90_swapab"};
+    const Case c = draw_case(rng, kKernels[i % 5]);
     const Outcome o = run_case(c, rng, dev);
     std::printf("%s case %d: %s -> %s: %s\n", o.ok ? "ok  " : "FAIL", i, describe(c).c_str(), o.config.c_str(),
                 o.what.c_str());

@@ -1,0 +1,42 @@
+// Instantiation: the swap-AB kernel (decode_swapab.cuh) for a float8_e4m3fn
+// cache with one kv_scale, bf16 or fp16 query, 16 query rows per CTA (a
+// 32-row instantiation needs 128 more accumulator registers and spills).
+#include "csrc/sm90/api.h"
+#include "csrc/sm90/decode_swapab.cuh"
+#include "csrc/smxx/api.h"
+
+namespace mla_jax {
+namespace sm90 {
+namespace {
+
+template <typename Tr>
+cudaError_t launch_swapab(const PagedDecodeParams& p, const DecodeWorkspace& ws, const SplitSchedule& schedule,
+                          cudaStream_t stream) {
+  KvTma tma;
+  make_kv_tma_fp8(p, &tma);
+  if (!tma.enabled) return cudaErrorNotSupported;
+  const void* kernel = reinterpret_cast<const void*>(decode_swapab_kernel<Tr>);
+  cudaError_t err = smxx::set_max_dynamic_smem_once(kernel, Tr::kSmemAlloc);
+  if (err != cudaSuccess) return err;
+  SplitSchedule s = schedule;
+  s.inline_schedule = false;
+  s.schedule_in_decode = false;
+  err = smxx::run_scheduler(p, ws, s, stream);
+  if (err != cudaSuccess) return err;
+  decode_swapab_kernel<Tr><<<dim3(1, s.num_parts), Tr::kThreads, Tr::kSmemAlloc, stream>>>(p, ws, tma);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t run_decode_fp8_swapab(const PagedDecodeParams& params, const DecodeWorkspace& ws,
+                                  const SplitSchedule& schedule, cudaStream_t stream) {
+  if (params.rows_per_request() > 16 || params.kv_type != ElemType::kFP8E4M3 || params.kv_format != KvFormat::kPlain)
+    return cudaErrorNotSupported;
+  return params.q_type == ElemType::kBF16
+             ? launch_swapab<SwapAbTraits<__nv_bfloat16, 16>>(params, ws, schedule, stream)
+             : launch_swapab<SwapAbTraits<__half, 16>>(params, ws, schedule, stream);
+}
+
+}  // namespace sm90
+}  // namespace mla_jax

@@ -1,0 +1,538 @@
+// Kernel body of the Hopper (sm_90a) swap-AB decode: dense e4m3 caches
+// (one kv_scale) whose pages TMA can load tile by tile, 16 query rows per
+// request or fewer. The tile configuration, the operand permutations and
+// the shared-memory plan are in swapab_traits.h.
+//
+// Per item (a request, or a piece of one, from the scheduler kernel): the
+// CTA converts its query rows to fp16 (each row times a power of two that
+// brings its largest value just below 2^15), then warpgroup w of W takes the
+// item's tiles w, w + W, ... from the stage ring:
+//   1. S^T = K Q^T: nine 64-feature blocks, each converted from the raw
+//      stage into registers while the previous block's wgmma runs;
+//   2. column (query row) maxima over the tile's 64 tokens: lanes, then the
+//      warpgroup's four warps through shared memory (one barrier);
+//   3. P^T = 2^(S^T scale - max) as fp16 into shared memory, O^T rescaled
+//      (second barrier);
+//   4. O^T += V^T P^T: four 16-token k-steps of eight wgmmas each, the
+//      next step's bytes loaded while one runs (its conversion waits: a
+//      second V^T fragment does not fit the registers);
+//   5. the stage is refilled with tile t + kStages.
+// At the item's end the warpgroups merge (m, l, O^T) through shared memory
+// and warpgroup 0 writes the output.
+#pragma once
+
+#include <cuda_fp8.h>
+
+#include "csrc/common/mla_params.h"
+#include "csrc/smxx/api.h"
+#include "csrc/smxx/kv_source.cuh"
+#include "csrc/smxx/pdl.cuh"
+#include "csrc/smxx/request.cuh"
+#include "csrc/sm90/decode_common.cuh"
+#include "csrc/sm90/kv_tma.h"
+#include "csrc/sm90/swapab_traits.h"
+
+#include <cute/arch/copy_sm90_tma.hpp>
+#include <cutlass/arch/barrier.h>
+
+namespace mla_jax {
+namespace sm90 {
+
+// Four e4m3 values -> two fp16x2, exactly: bytes 0-1 into lo, 2-3 into hi
+// (the lower byte of each pair in the lower half). The 16-bit halves of
+// `w` feed the conversions directly (no shift to extract the upper pair).
+__device__ __forceinline__ void e4m3x4_to_f16x2(uint32_t w, uint32_t& lo, uint32_t& hi) {
+  asm("{\n.reg .b16 l, h;\nmov.b32 {l, h}, %2;\ncvt.rn.f16x2.e4m3x2 %0, l;\ncvt.rn.f16x2.e4m3x2 %1, h;\n}"
+      : "=r"(lo), "=r"(hi)
+      : "r"(w));
+}
+
+__device__ __forceinline__ uint4 lds128(const char* p) { return *reinterpret_cast<const uint4*>(p); }
+
+template <typename Tr>
+__global__ void __launch_bounds__(Tr::kThreads, 1)
+    decode_swapab_kernel(const PagedDecodeParams p, const DecodeWorkspace ws, const __grid_constant__ KvTma tma) {
+  // The combine kernel after this one may be dispatched now; it waits for
+  // this grid to complete before reading anything (csrc/smxx/pdl.cuh).
+  pdl_allow_dependents();
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using namespace cute;
+  using T = typename Tr::QType;
+  using Elem = typename Tr::Elem;
+  constexpr int kN = Tr::kN, kBlockN = Tr::kBlockN, kCols = Tr::kColsPerThread;
+  constexpr int kOVals = kN / 2;  // accumulator values per thread and m-block
+  constexpr float kLn2 = 0.6931471805599453f;
+  using cutlass::arch::NamedBarrier;
+  using FullBarrier = cutlass::arch::ClusterTransactionBarrier;
+
+  extern __shared__ char smem_raw[];
+  char* smem = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
+  const int smem_pad = static_cast<int>(smem - smem_raw);
+  // Generic accesses go through smem_raw-based pointers (LDS/STS).
+  char* const shared = smem_raw + smem_pad;
+  float* sRed = reinterpret_cast<float*>(shared + Tr::kSmemRed);    // [wg][warp][kN]
+  float* sMax = reinterpret_cast<float*>(shared + Tr::kSmemMax);    // [wg][kN]
+  int* sQExp = reinterpret_cast<int*>(shared + Tr::kSmemQExp);      // [kN]
+  int* s_bad_page = reinterpret_cast<int*>(shared + Tr::kSmemFlags);
+  uint64_t* kv_full = reinterpret_cast<uint64_t*>(shared + Tr::kSmemBarriers);
+
+  const int tid = threadIdx.x;
+  const int wg = tid / 128, wg_tid = tid % 128;
+  const int warp = wg_tid / 32, lane = tid % 32;
+  const int g = lane / 4, quad = lane % 4;  // accumulator row group, column pair
+  const int rows = p.rows_per_request();
+
+  Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<Elem*>(smem + Tr::kSmemQ)), typename Tr::LayoutQ{});
+  Tensor sP = make_tensor(make_smem_ptr(reinterpret_cast<Elem*>(smem + Tr::kSmemP + wg * Tr::kPBytes)),
+                          typename Tr::LayoutP{});
+  char* const sP_shared = shared + Tr::kSmemP + wg * Tr::kPBytes;
+  auto mma = make_tiled_mma(typename Tr::Mma{});
+  auto thr = mma.get_thread_slice(wg_tid);
+  Tensor tOrP = thr.partition_fragment_B(sP);  // (MMA, 1, 4)
+  Tensor tSrS = partition_fragment_C(mma, Shape<_64, Int<kN>>{});   // S^T, this thread's part
+  Tensor tOrO = partition_fragment_C(mma, Shape<_512, Int<kN>>{});  // O^T: (MMA, 8 m-blocks, 1)
+  // Register A operands: two for S^T, so one block can be filled while
+  // wgmma reads the other (a second V^T fragment spills). Only the shapes of
+  // these shared-memory views matter.
+  auto shape_k = make_tensor(make_smem_ptr(reinterpret_cast<Elem*>(smem)), make_layout(Shape<_64, _64>{}));
+  auto shape_v = make_tensor(make_smem_ptr(reinterpret_cast<Elem*>(smem)), make_layout(Shape<_512, _16>{}));
+  Tensor tKa = thr.partition_fragment_A(shape_k);  // (MMA, 1, 4): one 64-feature block
+  Tensor tKb = thr.partition_fragment_A(shape_k);
+  Tensor tVa = thr.partition_fragment_A(shape_v);  // (MMA, 8, 1): one 16-token k-step
+    static_assert(decltype(size(tSrS))::value == kOVals && decltype(size(tOrO))::value == 8 * kOVals);
+
+  // Accumulator element e: token (S^T) or output-row half (O^T) 8 * ((e / 2) % 2),
+  // query row col(e % 2 + 2 (e / 4)).
+  auto col_index = [](int e) { return (e & 1) + 2 * (e >> 2); };
+  auto col_of = [&](int ci) { return 2 * quad + (ci & 1) + 8 * (ci >> 1); };
+
+  const int part = blockIdx.y;
+  const SoftmaxScale softmax = softmax_scale(p);
+
+  constexpr int kW = Tr::kWarpgroups, kS = Tr::kStages;
+  if (tid == 0) {
+#pragma unroll
+    for (int i = 0; i < kS; ++i) FullBarrier::init(&kv_full[i], 1);
+    cutlass::arch::fence_barrier_init();
+  }
+  __syncthreads();
+  // Bit s: parity of the phases stage s's barrier has completed before the
+  // current item (the same in every thread).
+  uint32_t stage_parity = 0;
+
+  const int item_begin = ws.part_begin[part], item_end = ws.part_begin[part + 1];
+  for (int item = item_begin; item < item_end; ++item) {
+    const DecodeItem it = load_item<kBlockN>(p, ws, item);
+    const int64_t tok_end = it.tok_end;
+    const int tile_begin = it.tile_begin, num_tiles = it.num_tiles;
+    const int32_t* table = p.block_table + static_cast<int64_t>(it.b) * p.max_pages_per_seq;
+
+    __syncthreads();  // the previous item is done with every buffer
+    if (tid == 0) *s_bad_page = 0;
+    __syncthreads();
+
+    auto fetch_entry = [&](int t) {
+      const int tok = (tile_begin + t) * kBlockN;
+      int page, slot;
+      smxx::div_page(p, tok, page, slot);
+      return table[page];
+    };
+    // Tile t into stage t % kS.
+    auto issue_tile = [&](int t, int entry) {
+      uint64_t* bar = &kv_full[t % kS];
+      char* dst = smem + Tr::kSmemKv + (t % kS) * Tr::kStageBytes;
+      if (entry < 0 || entry >= p.num_pages) {
+        *s_bad_page = 1;  // the request's output becomes NaN
+        FullBarrier::arrive(bar);
+        return;
+      }
+      int page, slot;
+      smxx::div_page(p, (tile_begin + t) * kBlockN, page, slot);
+      const int row = entry * p.page_size + slot;
+      const uint64_t hint = static_cast<uint64_t>(cute::TMA::CacheHintSm90::EVICT_FIRST);
+      FullBarrier::arrive_and_expect_tx(bar, Tr::kStageBytes);
+#pragma unroll
+      for (int box = 0; box < 4; ++box)
+        cute::SM90_TMA_LOAD_2D::copy(&tma.ckv, bar, hint, dst + box * Tr::kCkvBoxBytes, box * 128, row);
+      cute::SM90_TMA_LOAD_2D::copy(&tma.kpe, bar, hint, dst + Tr::kRopeOffset, 0, row);
+    };
+    if (tid == 0) {
+      for (int t = 0; t < kS && t < num_tiles; ++t) issue_tile(t, fetch_entry(t));
+    }
+
+    // The query rows in fp16, permuted (query_k) and scaled per row by
+    // 2^shift; sQExp[row] = -shift. 8 threads per row, 9 chunks each.
+    if (tid < kN * 8) {
+      const int r = tid / 8, lane8 = tid % 8;
+      const bool live = r < rows;
+      const int64_t grow = int64_t{it.b} * rows + (live ? r : 0);
+      const char* qn = static_cast<const char*>(p.q_nope) + grow * p.q_nope_row_stride * 2;
+      const char* qp = static_cast<const char*>(p.q_pe) + grow * p.q_pe_row_stride * 2;
+      uint4 raw[9];
+#pragma unroll
+      for (int n = 0; n < 9; ++n) {
+        const int ch = lane8 + 8 * n;
+        raw[n] = live ? *reinterpret_cast<const uint4*>(ch < 64 ? qn + ch * 16 : qp + (ch - 64) * 16)
+                      : make_uint4(0u, 0u, 0u, 0u);
+      }
+      float amax = 0.f;
+      auto to_float2 = [](uint32_t w) {
+        if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+          return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w));
+        } else {
+          return __half22float2(*reinterpret_cast<const __half2*>(&w));
+        }
+      };
+#pragma unroll
+      for (int n = 0; n < 9; ++n) {
+        const uint32_t w4[4] = {raw[n].x, raw[n].y, raw[n].z, raw[n].w};
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          const float2 f = to_float2(w4[k]);
+          amax = fmaxf(amax, fmaxf(fabsf(f.x), fabsf(f.y)));
+        }
+      }
+      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 4));
+      int e2 = 15;  // amax < 2^e2 (a zero or non-finite row keeps scale 1)
+      if (amax > 0.f && amax <= 3.402823466e38f) frexpf(amax, &e2);
+      const int shift = 15 - e2;
+      char* sQ_shared = shared + Tr::kSmemQ;
+#pragma unroll
+      for (int n = 0; n < 9; ++n) {
+        const int ch = lane8 + 8 * n;
+        const uint32_t w4[4] = {raw[n].x, raw[n].y, raw[n].z, raw[n].w};
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          const float2 f = to_float2(w4[k]);
+          const __half2 h = __floats2half2_rn(ldexpf(f.x, shift), ldexpf(f.y, shift));
+          *reinterpret_cast<__half2*>(sQ_shared + kmajor_offset<kN>(r, query_k(8 * ch + 2 * k))) = h;
+        }
+      }
+      if (lane8 == 0) sQExp[r] = -shift;
+    }
+    fence_smem_for_wgmma();
+    __syncthreads();  // the query and its exponents are in shared memory
+
+    // Per accumulator column: softmax scale (log2 domain, kv_scale and the
+    // query's power of two folded in) and visible length.
+    float col_scale[kCols];
+    int limit[kCols];
+#pragma unroll
+    for (int ci = 0; ci < kCols; ++ci) {
+      const int col = col_of(ci);
+      col_scale[ci] = ldexpf(softmax.scale_log2, sQExp[col]);
+      const int qi = col < rows ? col / p.num_heads : 0;
+      limit[ci] = col < rows ? static_cast<int>(min(visible_len(it.seq_len, p.q_len, qi, p.causal), tok_end)) : 0;
+    }
+    // Every live row sees at least this many tokens (query token 0's).
+    const int min_limit = static_cast<int>(min(visible_len(it.seq_len, p.q_len, 0, p.causal), tok_end));
+
+    float m_run[kCols], l_part[kCols];
+#pragma unroll
+    for (int ci = 0; ci < kCols; ++ci) {
+      m_run[ci] = -INFINITY;
+      l_part[ci] = 0.f;
+    }
+    clear(tOrO);
+
+    const int tok_row0 = 16 * warp + g;  // this thread's S^T token rows: tok_row0, tok_row0 + 8
+    for (int t = wg; t < num_tiles; t += kW) {
+      const int j = t % kS;
+      const char* stage = shared + Tr::kSmemKv + j * Tr::kStageBytes;
+      int next_entry = 0;
+      if (wg_tid == 0 && t + kS < num_tiles) next_entry = fetch_entry(t + kS);
+      FullBarrier::wait(&kv_full[j], ((stage_parity >> j) ^ static_cast<uint32_t>(t / kS)) & 1u);
+
+      // 1. S^T over the nine blocks.
+      auto load_k = [&](int s, uint4 (&raw)[2]) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int tok = tok_row0 + 8 * h;  // tok % 8 == g
+          const int off = s < 8 ? (s >> 1) * Tr::kCkvBoxBytes + tok * 128 + ((((s & 1) * 4 + quad) ^ g) << 4)
+                                : Tr::kRopeOffset + tok * 64 + quad * 16;
+          raw[h] = lds128(stage + off);
+        }
+      };
+      auto convert_k = [&](const uint4 (&raw)[2], auto& frag) {
+        auto words = recast<uint32_t>(frag);  // word u of k-step jj at u + 4 jj
+        const uint32_t a[4] = {raw[0].x, raw[0].y, raw[0].z, raw[0].w};
+        const uint32_t b[4] = {raw[1].x, raw[1].y, raw[1].z, raw[1].w};
+#pragma unroll
+        for (int jj = 0; jj < 4; ++jj) {
+          uint32_t w0, w1, w2, w3;
+          e4m3x4_to_f16x2(a[jj], w0, w2);
+          e4m3x4_to_f16x2(b[jj], w1, w3);
+          words(4 * jj + 0) = w0;
+          words(4 * jj + 1) = w1;
+          words(4 * jj + 2) = w2;
+          words(4 * jj + 3) = w3;
+        }
+      };
+      auto issue_s = [&](int s, auto& frag) {
+        Tensor tSrQ = thr.partition_fragment_B(sQ);  // (MMA, 1, 36) descriptors
+        warpgroup_fence_operand(frag);
+        warpgroup_arrive();
+#pragma unroll
+        for (int jj = 0; jj < 4; ++jj) {
+          mma.accumulate_ = (s == 0 && jj == 0) ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
+          gemm(mma, frag(_, _, jj), tSrQ(_, _, 4 * s + jj), tSrS);
+        }
+        warpgroup_commit_batch();
+      };
+      {
+        uint4 raw[2];
+        warpgroup_fence_operand(tSrS);
+        load_k(0, raw);
+        convert_k(raw, tKa);
+        issue_s(0, tKa);
+        load_k(1, raw);
+        convert_k(raw, tKb);
+        issue_s(1, tKb);
+#pragma unroll
+        for (int s = 2; s < 9; s += 2) {
+          load_k(s, raw);
+          warpgroup_wait<1>();
+          convert_k(raw, tKa);
+          issue_s(s, tKa);
+          if (s + 1 < 9) {
+            load_k(s + 1, raw);
+            warpgroup_wait<1>();
+            convert_k(raw, tKb);
+            issue_s(s + 1, tKb);
+          }
+        }
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(tSrS);
+      }
+
+      // 2. Column maxima (masked, scaled).
+      const int tok0 = (tile_begin + t) * kBlockN;
+      const bool all_visible = tok0 + kBlockN <= min_limit;
+      float tmax[kCols];
+#pragma unroll
+      for (int ci = 0; ci < kCols; ++ci) tmax[ci] = -INFINITY;
+#pragma unroll
+      for (int e = 0; e < kOVals; ++e) {
+        const int ci = col_index(e);
+        float v = tSrS(e) * col_scale[ci];
+        if (!all_visible && tok0 + tok_row0 + 8 * ((e >> 1) & 1) >= limit[ci]) v = -INFINITY;
+        tSrS(e) = v;
+        tmax[ci] = fmaxf(tmax[ci], v);
+      }
+      float* red = sRed + wg * 4 * kN;
+#pragma unroll
+      for (int ci = 0; ci < kCols; ++ci) {
+        tmax[ci] = fmaxf(tmax[ci], __shfl_xor_sync(0xffffffffu, tmax[ci], 4));
+        tmax[ci] = fmaxf(tmax[ci], __shfl_xor_sync(0xffffffffu, tmax[ci], 8));
+        tmax[ci] = fmaxf(tmax[ci], __shfl_xor_sync(0xffffffffu, tmax[ci], 16));
+        if (g == 0) red[warp * kN + col_of(ci)] = tmax[ci];
+      }
+      NamedBarrier::sync(128, wg);
+      float c[kCols];
+      bool rescale = false;
+#pragma unroll
+      for (int ci = 0; ci < kCols; ++ci) {
+        const int col = col_of(ci);
+        float m = fmaxf(fmaxf(red[col], red[kN + col]), fmaxf(red[2 * kN + col], red[3 * kN + col]));
+        m = fmaxf(m, m_run[ci]);
+        c[ci] = m == -INFINITY ? 1.f : fast_exp2(m_run[ci] - m);
+        rescale |= c[ci] != 1.f;
+        m_run[ci] = m;
+      }
+      // 3. P^T (fp16) for the B operand; row sums.
+      float sum[kCols];
+#pragma unroll
+      for (int ci = 0; ci < kCols; ++ci) sum[ci] = 0.f;
+#pragma unroll
+      for (int e = 0; e < kOVals; ++e) {
+        const int ci = col_index(e);
+        const float pv = fast_exp2(tSrS(e) - (m_run[ci] == -INFINITY ? 0.f : m_run[ci]));
+        sum[ci] += pv;
+        *reinterpret_cast<__half*>(sP_shared + kmajor_offset<kN>(col_of(ci), tok_row0 + 8 * ((e >> 1) & 1))) =
+            __float2half_rn(pv);
+      }
+#pragma unroll
+      for (int ci = 0; ci < kCols; ++ci) l_part[ci] = l_part[ci] * c[ci] + sum[ci];
+      if (__any_sync(0xffffffffu, rescale)) {
+#pragma unroll
+        for (int i = 0; i < size(tOrO); ++i) tOrO(i) *= c[col_index(i % kOVals)];
+      }
+      fence_smem_for_wgmma();
+      NamedBarrier::sync(128, wg);  // P^T is complete (and every thread read `red`)
+
+      // 4. O^T += V^T P^T over four 16-token k-steps. Tokens at or past
+      // tok_end hold whatever the cache has there: their values are
+      // zeroed, as 0 x NaN would poison the row.
+      const int valid = static_cast<int>(min(int64_t{kBlockN}, tok_end - tok0));
+      // kTail: the tile ends before its 64th token (its own instantiation,
+      // so full tiles carry no selects).
+      auto load_v = [&](int js, uint4 (&raw)[4], auto tail_const) __attribute__((always_inline)) {
+        const int tau0 = 16 * js + 2 * quad;
+        const int taus[4] = {tau0, tau0 + 1, tau0 + 8, tau0 + 9};
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          raw[q] = lds128(stage + warp * Tr::kCkvBoxBytes + taus[q] * 128 + ((g ^ (taus[q] & 7)) << 4));
+          if (decltype(tail_const)::value && taus[q] >= valid) raw[q] = make_uint4(0u, 0u, 0u, 0u);
+        }
+      };
+      auto convert_v = [&](const uint4 (&raw)[4], auto& frag) {
+        auto words = recast<uint32_t>(frag);  // word u of m-block mb at u + 4 mb
+        const uint32_t x[4][4] = {{raw[0].x, raw[0].y, raw[0].z, raw[0].w},
+                                  {raw[1].x, raw[1].y, raw[1].z, raw[1].w},
+                                  {raw[2].x, raw[2].y, raw[2].z, raw[2].w},
+                                  {raw[3].x, raw[3].y, raw[3].z, raw[3].w}};
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          // Bytes (token a, token a + 1) of features 4q + {0, 1} and 4q + {2, 3}.
+          const uint32_t lo01 = __byte_perm(x[0][q], x[1][q], 0x5140), hi01 = __byte_perm(x[0][q], x[1][q], 0x7362);
+          const uint32_t lo23 = __byte_perm(x[2][q], x[3][q], 0x5140), hi23 = __byte_perm(x[2][q], x[3][q], 0x7362);
+          uint32_t w[8];
+          e4m3x4_to_f16x2(lo01, w[0], w[1]);
+          e4m3x4_to_f16x2(lo23, w[2], w[3]);
+          e4m3x4_to_f16x2(hi01, w[4], w[5]);
+          e4m3x4_to_f16x2(hi23, w[6], w[7]);
+#pragma unroll
+          for (int u = 0; u < 8; ++u) words(4 * (2 * q + u / 4) + u % 4) = w[u];
+        }
+      };
+      auto issue_pv = [&](int js, auto& frag) {
+        warpgroup_fence_operand(frag);
+        warpgroup_arrive();
+        mma.accumulate_ = GMMA::ScaleOut::One;
+        gemm(mma, frag(_, _, 0), tOrP(_, _, js), tOrO);
+        warpgroup_commit_batch();
+      };
+      auto pv = [&](auto tail) __attribute__((always_inline)) {
+        uint4 raw[4];
+        warpgroup_fence_operand(tOrO);
+        load_v(0, raw, tail);
+        convert_v(raw, tVa);
+        issue_pv(0, tVa);
+#pragma unroll
+        for (int js = 1; js < 4; ++js) {
+          load_v(js, raw, tail);
+          warpgroup_wait<0>();
+          convert_v(raw, tVa);
+          issue_pv(js, tVa);
+        }
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(tOrO);
+      };
+      if (valid < kBlockN) {
+        pv(std::true_type{});
+      } else {
+        pv(std::false_type{});
+      }
+      // 5. The stage is free: tile t + kS.
+      if (wg_tid == 0 && t + kS < num_tiles) issue_tile(t + kS, next_entry);
+    }
+#pragma unroll
+    for (int j = 0; j < kS; ++j) {
+      const int uses = num_tiles > j ? (num_tiles - 1 - j) / kS + 1 : 0;
+      stage_parity ^= static_cast<uint32_t>(uses & 1) << j;
+    }
+
+    // Epilogue: merge the warpgroups' (m, l, O^T) and write.
+#pragma unroll
+    for (int ci = 0; ci < kCols; ++ci) {
+      l_part[ci] += __shfl_xor_sync(0xffffffffu, l_part[ci], 4);
+      l_part[ci] += __shfl_xor_sync(0xffffffffu, l_part[ci], 8);
+      l_part[ci] += __shfl_xor_sync(0xffffffffu, l_part[ci], 16);
+      if (g == 0) {
+        sRed[(wg * 4 + warp) * kN + col_of(ci)] = l_part[ci];
+        if (warp == 0) sMax[wg * kN + col_of(ci)] = m_run[ci];
+      }
+    }
+    __syncthreads();
+    const bool bad = !it.len_ok || *s_bad_page != 0;
+    const bool split = it.splits > 1;
+    // Warpgroups 1.. hand their O^T, scaled to the common max, to
+    // warpgroup 0 through the (idle) stages, which writes the output.
+    float* xch = reinterpret_cast<float*>(shared + Tr::kSmemKv);
+    float own_factor[kCols], out_scale[kCols];
+#pragma unroll
+    for (int ci = 0; ci < kCols; ++ci) {
+      const int col = col_of(ci);
+      float mx = -INFINITY;
+#pragma unroll
+      for (int w = 0; w < kW; ++w) mx = fmaxf(mx, sMax[w * kN + col]);
+      float total = 0.f;
+#pragma unroll
+      for (int w = 0; w < kW; ++w) {
+        const float mw = sMax[w * kN + col];
+        const float f = mw == -INFINITY ? 0.f : fast_exp2(mw - mx);
+        if (w == wg) own_factor[ci] = f;
+#pragma unroll
+        for (int k = 0; k < 4; ++k) total += sRed[(w * 4 + k) * kN + col] * f;
+      }
+      float lse;
+      if (bad) {
+        lse = NAN;
+        out_scale[ci] = NAN;
+      } else if (total > 0.f) {
+        lse = mx * kLn2 + logf(total);
+        out_scale[ci] = softmax.kv_scale / total;
+        if (p.attn_sink != nullptr && !split && col < rows)
+          out_scale[ci] /= 1.f + __expf(p.attn_sink[col % p.num_heads] - lse);
+      } else {
+        lse = -INFINITY;  // nothing visible: out 0
+        out_scale[ci] = 0.f;
+      }
+      if (wg == 0 && warp == 0 && g == 0 && col < rows) {
+        const int64_t out_row = split ? int64_t{item} * rows + col : int64_t{it.b} * rows + col;
+        (split ? ws.lse_accum : p.lse)[out_row] = lse;
+      }
+    }
+    constexpr int kOPerThread = 8 * kOVals;
+    if (wg > 0) {
+      float* mine = xch + (wg - 1) * (Tr::kOBytes / 4);
+#pragma unroll
+      for (int i = 0; i < kOPerThread; ++i) mine[i * 128 + wg_tid] = tOrO(i) * own_factor[col_index(i % kOVals)];
+    }
+    __syncthreads();
+    if (wg == 0) {
+#pragma unroll
+      for (int i = 0; i < kOPerThread; ++i) {
+        float o = tOrO(i) * own_factor[col_index(i % kOVals)];
+#pragma unroll
+        for (int w = 1; w < kW; ++w) o += xch[(w - 1) * (Tr::kOBytes / 4) + i * 128 + wg_tid];
+        tOrO(i) = o * out_scale[col_index(i % kOVals)];
+      }
+      // Thread (warp, g) holds features 128 warp + 16 g + 2 mb + h of its
+      // columns: 16 contiguous values of each.
+      const int64_t block_row = (split ? int64_t{item} : int64_t{it.b}) * rows;
+      const int feat0 = 128 * warp + 16 * g;
+#pragma unroll
+      for (int ci = 0; ci < kCols; ++ci) {
+        const int col = col_of(ci);
+        if (col >= rows) continue;
+        float v[16];
+#pragma unroll
+        for (int mb = 0; mb < 8; ++mb) {
+#pragma unroll
+          for (int h = 0; h < 2; ++h) v[2 * mb + h] = tOrO((ci & 1) + 4 * (ci >> 1) + 2 * h, mb, 0);
+        }
+        if (split) {
+          float4* dst = reinterpret_cast<float4*>(ws.out_accum + (block_row + col) * Tr::kDimNope + feat0);
+#pragma unroll
+          for (int k = 0; k < 4; ++k) dst[k] = make_float4(v[4 * k], v[4 * k + 1], v[4 * k + 2], v[4 * k + 3]);
+        } else {
+          uint4* dst = reinterpret_cast<uint4*>(static_cast<T*>(p.out) + (block_row + col) * Tr::kDimNope + feat0);
+#pragma unroll
+          for (int k = 0; k < 2; ++k)
+            dst[k] = make_uint4(smxx::pack2<T>(v[8 * k], v[8 * k + 1]), smxx::pack2<T>(v[8 * k + 2], v[8 * k + 3]),
+                                smxx::pack2<T>(v[8 * k + 4], v[8 * k + 5]), smxx::pack2<T>(v[8 * k + 6], v[8 * k + 7]));
+        }
+      }
+    }
+    // The next item's TMA loads (async proxy) overwrite the stages read
+    // here, after the barrier that starts it.
+    fence_smem_for_wgmma();
+  }
+#endif  // sm_90a
+}
+
+}  // namespace sm90
+}  // namespace mla_jax

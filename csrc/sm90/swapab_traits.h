@@ -1,0 +1,122 @@
+// Tile configuration of the Hopper (sm_90a) swap-AB decode kernel for dense
+// FP8 caches with few query rows (decode_swapab.cuh).
+//
+// With few query rows (16 or fewer: 16 heads, or fewer heads times q_len), a
+// 64-row wgmma block (the other Hopper kernels) spends most of its tensor
+// work on zero rows, and an FP8 cache, which halves the bytes, cannot show
+// it. Here the operands are swapped so that the 64 tokens of a KV tile are
+// wgmma's M and the query rows its N (16):
+//   S^T = K Q^T     m64nNk16 x 36 k-steps: A = the tile's keys (registers,
+//                   converted from e4m3), B = the query (shared memory, fp16);
+//   O^T += V^T P^T  8 x m64nNk16 x 4 k-steps: A = the tile's values, as
+//                   V^T (registers, converted), B = P^T (shared memory).
+// e4m3 converts to fp16 exactly in one instruction per pair, so the products
+// run in fp16; the query is brought into fp16 range per row by a power of
+// two that the softmax scale undoes.
+//
+// Both A operands come straight from the raw e4m3 tile: since a product only
+// pairs A's and B's k indices, each operand's k (and A's m) may be any
+// permutation of the features, provided the other operand uses the same one.
+// The kernel picks the permutations that let a thread read its fragment with
+// 16-byte shared-memory loads:
+//   - S^T: thread (warp w, lane l) holds tokens 16 w + l / 4 (+ 8); its 16
+//     contiguous features 64 s + 16 (l % 4) + [0, 16) of 64-feature block s
+//     are the k positions {2 c, 2 c + 1, 2 c + 8, 2 c + 9} (c = l % 4) of the
+//     block's four k-steps, in that order (query_k() maps a feature to its
+//     k position; the query is stored permuted the same way);
+//   - O^T: thread (w, l) holds features 128 w + 16 (l / 4) + [0, 16), output
+//     row (m-block mb, half h) being feature 128 w + 16 (l / 4) + 2 mb + h,
+//     and tokens in their natural order; the epilogue writes each thread's
+//     16 features of a query row as contiguous bytes.
+//
+// The CTA's warpgroups work independently on interleaved tiles of an item
+// (tile t belongs to warpgroup t % kWarpgroups), each with its own running
+// max, sums and O^T; they merge at the item's end. The tiles stream through
+// a ring of kStages stages (tile t in stage t % kStages), and the warpgroup
+// that has finished tile t refills its stage with tile t + kStages, so a
+// stage needs no "empty" barrier.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cute/arch/mma_sm90.hpp>
+#include <cute/atom/mma_traits_sm90_gmma.hpp>
+#include <cute/tensor.hpp>
+
+namespace mla_jax {
+namespace sm90 {
+
+// Position in the permuted k order of the query (and of the S^T A
+// operand) of query feature f (0..575): see the comment above.
+__host__ __device__ __forceinline__ int query_k(int f) {
+  const int block = f / 64, in = f % 64;
+  const int c = in / 16, r = in % 16, step = r / 4, e = r % 4;
+  return 64 * block + 16 * step + 2 * c + (e & 1) + 8 * (e >> 1);
+}
+
+// Byte offset of element (row, k) of a [rows, cols] 16-bit operand in the
+// 128-byte-swizzled K-major layout (CuTe's tile_to_shape of the SW128 atom:
+// 8-row x 64-element atoms, row atoms first, then 64-column blocks).
+template <int kRows>
+__host__ __device__ __forceinline__ int kmajor_offset(int row, int k) {
+  return (k >> 6) * (kRows * 128) + (row >> 3) * 1024 + (row & 7) * 128 + ((((k >> 3) & 7) ^ (row & 7)) << 4) +
+         (k & 7) * 2;
+}
+
+// Warpgroups per CTA and KV stages of the swap-AB kernel. Three warpgroups
+// leave 168 registers a thread, and the kernel spills there (slower than
+// two, docs/perf.md); five 36 KB stages is what the shared memory holds.
+constexpr int kSwapAbWarpgroups = 2;
+constexpr int kSwapAbStages = 5;
+
+template <typename QType_, int kRows_, int kWarpgroups_ = kSwapAbWarpgroups, int kStages_ = kSwapAbStages>
+struct SwapAbTraits {
+  using QType = QType_;          // __nv_bfloat16 or __half: query and output type
+  using Elem = cute::half_t;     // MMA operand type
+  static constexpr int kN = kRows_;  // query rows per CTA (wgmma N); 16 is instantiated (32 spills)
+  static_assert(kN == 16 || kN == 32);
+  static constexpr int kDimNope = 512, kDimRope = 64, kDimQK = 576;
+  static constexpr int kBlockN = 64;  // tokens per KV tile (wgmma M; the scheduler's block)
+  static constexpr int kWarpgroups = kWarpgroups_;
+  static constexpr int kStages = kStages_;
+  static constexpr int kThreads = 128 * kWarpgroups;
+  static_assert(kStages >= kWarpgroups);
+  static constexpr int kColsPerThread = kN / 4;  // query rows in a thread's accumulator columns
+
+  // A raw FP8 stage: four 128-byte-swizzled TMA boxes of ckv (64 tokens x
+  // 128 features), then the kpe box (64 tokens x 64 bytes, unswizzled).
+  static constexpr int kCkvBoxBytes = 64 * 128;
+  static constexpr int kRopeOffset = 4 * kCkvBoxBytes;
+  static constexpr int kStageBytes = kRopeOffset + 64 * 64;
+
+  using AtomK = cute::GMMA::Layout_K_SW128_Atom<Elem>;
+  using LayoutQ = decltype(cute::tile_to_shape(AtomK{}, cute::Shape<cute::Int<kN>, cute::Int<kDimQK>>{}));
+  using LayoutP = decltype(cute::tile_to_shape(AtomK{}, cute::Shape<cute::Int<kN>, cute::Int<kBlockN>>{}));
+  using Mma = decltype(cute::SM90::GMMA::rs_op_selector<Elem, Elem, float,
+                                                        cute::Shape<cute::_64, cute::Int<kN>, cute::_16>,
+                                                        cute::GMMA::Major::K, cute::GMMA::Major::K>());
+
+  // Shared memory, from a 1024-byte aligned base.
+  static constexpr int kSmemQ = 0;
+  static constexpr int kSmemKv = kSmemQ + kN * kDimQK * 2;            // [stage]
+  static constexpr int kSmemP = kSmemKv + kStages * kStageBytes;      // [warpgroup] P^T
+  static constexpr int kPBytes = kN * kBlockN * 2;
+  static constexpr int kSmemRed = kSmemP + kWarpgroups * kPBytes;     // [warpgroup][warp][kN] floats
+  static constexpr int kSmemMax = kSmemRed + kWarpgroups * 4 * kN * 4;  // [warpgroup][kN] running maxima
+  static constexpr int kSmemQExp = kSmemMax + kWarpgroups * kN * 4;   // [kN] query scale exponents
+  static constexpr int kSmemFlags = kSmemQExp + kN * 4;               // bad-page flag
+  static constexpr int kSmemBarriers = kSmemFlags + 16;               // [stage] mbarriers
+  static constexpr int kSmemBytes = kSmemBarriers + kStages * 8;
+  static constexpr int kSmemAlloc = kSmemBytes + 1024;
+  static_assert(kSmemQ % 1024 == 0 && kSmemKv % 1024 == 0 && kSmemP % 1024 == 0 && kStageBytes % 1024 == 0);
+  static_assert(kSmemBarriers % 8 == 0);
+  static_assert(kSmemAlloc <= 227 * 1024, "exceeds the sm_90 shared memory per block");
+  // The epilogue hands warpgroups 1.. 's O^T (float) to warpgroup 0 through
+  // the stages.
+  static constexpr int kOBytes = 128 * 8 * (kN / 2) * 4;
+  static_assert((kWarpgroups - 1) * kOBytes <= kStages * kStageBytes);
+};
+
+}  // namespace sm90
+}  // namespace mla_jax
