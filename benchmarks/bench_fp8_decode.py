@@ -140,7 +140,7 @@ def main(argv=None):
   if dev.platform == "gpu" and not args.smoke:
     import flashmla_peer
     peer, why = flashmla_peer.load()
-    ceilings = peer.ceilings() if peer is not None else None
+    ceilings = peer.ceilings() if peer is not None else flashmla_peer.torch_ceilings()
   commit, dirty = git_commit(args.commit)
   meta = dict(benchmark="paged_decode dense FP8 vs bf16", device=dev.device_kind, platform=dev.platform,
               date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

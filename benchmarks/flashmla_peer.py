@@ -41,6 +41,17 @@ def load():
   return Peer(torch, flash_mla), None
 
 
+def torch_ceilings(reps=5):
+  """Peer.ceilings() with torch alone (FlashMLA need not be built); None without torch or a CUDA device."""
+  try:
+    import torch
+  except Exception:  # noqa: BLE001
+    return None
+  if not torch.cuda.is_available():
+    return None
+  return Peer(torch, None).ceilings(reps)
+
+
 class Peer:
   def __init__(self, torch, flash_mla):
     self.torch = torch
