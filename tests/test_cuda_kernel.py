@@ -618,3 +618,35 @@ def test_fp8_cache_kernels(kernel, heads, q_len, page_size, dtype, layout):
   norms = np.linalg.norm(ref_out[ok], axis=-1)
   worst = (np.linalg.norm(out[ok] - ref_out[ok], axis=-1)[norms > 0] / norms[norms > 0]).max()
   assert worst <= 2e-2, f"worst row relative error {worst:.3g}"
+
+
+@pytest.mark.parametrize("batch,max_num_splits", [(300, None), (7, None), (40, 3)])
+def test_fp8_swapab_items_and_ring(batch, max_num_splits):
+  # The swap-AB kernel streams tiles through a ring of five stages that its
+  # two warpgroups refill for each other: long requests (many passes of the
+  # ring), several items per CTA (300 requests on 132 partitions; the stage
+  # barriers' phases carry over from item to item), split requests and
+  # lengths that leave every count of tiles mod 5 and mod 2.
+  if not _hopper_kernels_available():
+    pytest.skip("sm90_swapab needs an sm_90 GPU and a build with sm_90a code")
+  rng = np.random.default_rng(batch)
+  lens = rng.integers(0, 1200 if batch > 100 else 20000, size=batch)
+  lens[: min(batch, 11)] = np.arange(min(batch, 11)) * 64 + 1  # 1..11 tiles
+  d = random_paged_inputs(rng, list(lens), num_heads=16, page_size=64)
+  plan = mla_jax.DecodePlan(num_heads=16, page_size=64, sm_scale=SM_SCALE, backend="cuda",
+                            max_num_splits=max_num_splits)
+  q = jnp.asarray(d["query"], jnp.bfloat16)
+  kv8 = jnp.asarray(d["kv_cache"] * 8.0, jnp.float8_e4m3fn)
+  bt, sl = d["block_table"], d["seq_lens"]
+  assert mla_jax.explain(plan, q, kv8, bt, sl, kv_scale=jnp.float32(0.3)).kernel.kernel == "sm90_swapab"
+  _poison_allocator()
+  out, lse = mla_jax.paged_decode(q, kv8, jnp.asarray(bt), jnp.asarray(sl), plan=plan, return_lse=True,
+                                  kv_scale=jnp.float32(0.3))
+  ref_out, ref_lse = reference_paged_decode(np.asarray(q.astype(jnp.float32)), np.asarray(kv8.astype(jnp.float32)),
+                                            bt, sl, plan, kv_scale=0.3)
+  out, lse = np.asarray(out.astype(jnp.float32)), np.asarray(lse)
+  _check(out, lse, ref_out, ref_lse, tol=2e-2)
+  ok = np.isfinite(ref_lse) & ~np.isneginf(ref_lse)
+  norms = np.linalg.norm(ref_out[ok], axis=-1)
+  worst = (np.linalg.norm(out[ok] - ref_out[ok], axis=-1)[norms > 0] / norms[norms > 0]).max()
+  assert worst <= 2e-2, f"worst row relative error {worst:.3g}"

@@ -31,7 +31,12 @@ cudaError_t launch_swapab(const PagedDecodeParams& p, const DecodeWorkspace& ws,
 
 cudaError_t run_decode_fp8_swapab(const PagedDecodeParams& params, const DecodeWorkspace& ws,
                                   const SplitSchedule& schedule, cudaStream_t stream) {
-  if (params.rows_per_request() > 16 || params.kv_type != ElemType::kFP8E4M3 || params.kv_format != KvFormat::kPlain)
+  // select_kernel routes only such calls here; the kernel addresses cache
+  // row page * page_size + slot with the token stride alone.
+  if (params.rows_per_request() > 16 || params.kv_type != ElemType::kFP8E4M3 ||
+      params.kv_format != KvFormat::kPlain ||
+      params.ckv_page_stride != int64_t{params.page_size} * params.ckv_token_stride ||
+      params.kpe_page_stride != int64_t{params.page_size} * params.kpe_token_stride)
     return cudaErrorNotSupported;
   return params.q_type == ElemType::kBF16
              ? launch_swapab<SwapAbTraits<__nv_bfloat16, 16>>(params, ws, schedule, stream)

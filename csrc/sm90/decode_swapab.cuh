@@ -74,6 +74,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   float* sMax = reinterpret_cast<float*>(shared + Tr::kSmemMax);    // [wg][kN]
   int* sQExp = reinterpret_cast<int*>(shared + Tr::kSmemQExp);      // [kN]
   int* s_bad_page = reinterpret_cast<int*>(shared + Tr::kSmemFlags);
+  volatile int* s_issued = reinterpret_cast<volatile int*>(shared + Tr::kSmemIssued);
   uint64_t* kv_full = reinterpret_cast<uint64_t*>(shared + Tr::kSmemBarriers);
 
   const int tid = threadIdx.x;
@@ -128,7 +129,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     const int32_t* table = p.block_table + static_cast<int64_t>(it.b) * p.max_pages_per_seq;
 
     __syncthreads();  // the previous item is done with every buffer
-    if (tid == 0) *s_bad_page = 0;
+    if (tid == 0) {
+      *s_bad_page = 0;
+      for (int j = 0; j < kS; ++j) s_issued[j] = -1;
+    }
     __syncthreads();
 
     auto fetch_entry = [&](int t) {
@@ -243,6 +247,13 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       const char* stage = shared + Tr::kSmemKv + j * Tr::kStageBytes;
       int next_entry = 0;
       if (wg_tid == 0 && t + kS < num_tiles) next_entry = fetch_entry(t + kS);
+      // Tiles past the first kS are issued by whichever warpgroup freed
+      // their stage; once tile t is issued, the stage's previous phase is
+      // complete and the parity names tile t's phase alone.
+      if (t >= kS) {
+        while (s_issued[j] != t) {
+        }
+      }
       FullBarrier::wait(&kv_full[j], ((stage_parity >> j) ^ static_cast<uint32_t>(t / kS)) & 1u);
 
       // 1. S^T over the nine blocks.
@@ -425,8 +436,12 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       } else {
         pv(std::false_type{});
       }
-      // 5. The stage is free: tile t + kS.
-      if (wg_tid == 0 && t + kS < num_tiles) issue_tile(t + kS, next_entry);
+      // 5. The stage is free: tile t + kS (after this warpgroup's last read
+      // of it: its wgmmas, which read the converted fragments, are done).
+      if (wg_tid == 0 && t + kS < num_tiles) {
+        issue_tile(t + kS, next_entry);
+        s_issued[j] = t + kS;
+      }
     }
 #pragma unroll
     for (int j = 0; j < kS; ++j) {

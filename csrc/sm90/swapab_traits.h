@@ -34,7 +34,11 @@
 // max, sums and O^T; they merge at the item's end. The tiles stream through
 // a ring of kStages stages (tile t in stage t % kStages), and the warpgroup
 // that has finished tile t refills its stage with tile t + kStages, so a
-// stage needs no "empty" barrier.
+// stage needs no "empty" barrier. With an odd ring that refill is for the
+// other warpgroup, which has not waited on the stage's previous phase: a
+// parity wait cannot tell that phase from the one it wants, so the refilling
+// thread also publishes the tile it issued (sIssued) and the consumer waits
+// for it before the barrier.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -106,7 +110,8 @@ struct SwapAbTraits {
   static constexpr int kSmemMax = kSmemRed + kWarpgroups * 4 * kN * 4;  // [warpgroup][kN] running maxima
   static constexpr int kSmemQExp = kSmemMax + kWarpgroups * kN * 4;   // [kN] query scale exponents
   static constexpr int kSmemFlags = kSmemQExp + kN * 4;               // bad-page flag
-  static constexpr int kSmemBarriers = kSmemFlags + 16;               // [stage] mbarriers
+  static constexpr int kSmemIssued = kSmemFlags + 16;                 // [stage] tile last issued there
+  static constexpr int kSmemBarriers = kSmemIssued + (kStages * 4 + 7) / 8 * 8;  // [stage] mbarriers
   static constexpr int kSmemBytes = kSmemBarriers + kStages * 8;
   static constexpr int kSmemAlloc = kSmemBytes + 1024;
   static_assert(kSmemQ % 1024 == 0 && kSmemKv % 1024 == 0 && kSmemP % 1024 == 0 && kStageBytes % 1024 == 0);
