@@ -162,8 +162,9 @@ Selection select_kernel(const DecodeFacts& f, const KernelConfig& requested, std
   const bool fp8_lockstep = fp8 && f.kv_pages_contiguous && f.kv_aligned;
   const int64_t slots = f.num_pages < 0 ? kUnknownSize : f.num_pages * f.page_size;
   // TMA boxes copy whole 64-token tiles of one page, with int32 row coordinates.
-  const bool tma = f.op == DecodeOp::kPaged && f.page_size % 64 == 0 && f.kv_aligned && plain16 &&
-                   (slots < 0 || (slots > 0 && slots <= INT32_MAX));
+  const bool tma_tiles = f.op == DecodeOp::kPaged && f.page_size % 64 == 0 && f.kv_aligned &&
+                         (slots < 0 || (slots > 0 && slots <= INT32_MAX));
+  const bool tma = tma_tiles && plain16;
   const bool wide = portable_rows_per_cta(rows) == 64;
   // FP8 rows: the lock-step kernel's cost per tile hardly depends on how many
   // of its 64 rows are live (query rows past the request's are zero), and
@@ -174,10 +175,8 @@ Selection select_kernel(const DecodeFacts& f, const KernelConfig& requested, std
   const bool lockstep_rows = fp8 ? rows > 16 : wide;
   // The swap-AB kernel: a dense e4m3 cache TMA loads tile by tile (its
   // boxes land the raw bytes), 16 query rows or fewer (wgmma's N).
-  const bool swapab = f.op == DecodeOp::kPaged && f.kv_format == KvFormat::kPlain &&
-                      f.kv_type == ElemType::kFP8E4M3 && f.page_size % 64 == 0 && f.kv_aligned &&
-                      f.kv_pages_contiguous && rows <= kSwapAbMaxRows &&
-                      (slots < 0 || (slots > 0 && slots <= INT32_MAX));
+  const bool swapab = tma_tiles && f.kv_format == KvFormat::kPlain && f.kv_type == ElemType::kFP8E4M3 &&
+                      f.kv_pages_contiguous && rows <= kSwapAbMaxRows;
 
   // 1. The decode kernel.
   if (c.kernel == KernelFamily::kAuto) {
