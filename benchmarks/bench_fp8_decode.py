@@ -9,7 +9,8 @@ the profiler trace's kernel span):
 
   fp8       the float8_e4m3fn cache with kv_scale, the kernel auto-selection picks;
   bf16      the bf16 cache holding the same dequantised values (what FP8 must beat);
-  portable  the FP8 cache on the portable mma.sync kernel (forced through the plan).
+  portable  the FP8 cache on the portable mma.sync kernel (forced through the plan;
+            --compare KERNEL forces another, e.g. sm90_lockstep, recorded under its name).
 
 Each variant's output is checked against the float64 reference on two requests.
 Bytes follow FlashMLA's convention with the cache's element size (1 for FP8):
@@ -37,9 +38,8 @@ from bench_paged_decode import (PAGE_SIZE, SM_SCALE, git_commit, make_block_tabl
 KV_SCALE = 0.05
 # (B, q_len, H, seq)
 ROWS = [(128, 1, 16, 8192), (128, 1, 128, 4096), (8, 1, 16, 42000), (128, 1, 64, 8192), (32, 1, 128, 4096),
-        (128, 2, 128, 4096), (128, 1, 32, 8192)]
+        (128, 2, 128, 4096), (128, 1, 32, 8192), (128, 2, 16, 8192), (8, 1, 32, 42000)]
 SMOKE_ROWS = [(2, 1, 16, 200), (2, 2, 64, 130)]
-VARIANTS = ("fp8", "bf16", "portable")
 
 
 def counts(b, q, h, seq, kv_bytes):
@@ -72,10 +72,10 @@ def bench_row(b, q, h, seq, args, ceilings):
   rec = dict(b=b, q_len=q, h=h, seq=seq, kv_scale=KV_SCALE, n_lo=n_lo, n_hi=n_hi, reps=reps, cache_copies=rot)
   sel = np.arange(min(2, b))
   live = -(-seq // PAGE_SIZE)
-  for variant in VARIANTS:
+  for variant in ("fp8", "bf16", args.compare):
     cache = bf16 if variant == "bf16" else fp8
     caches = [cache] + [jnp.array(cache, copy=True) for _ in range(rot - 1)]
-    kernel = "portable" if variant == "portable" else "auto"
+    kernel = args.compare if variant == args.compare else "auto"
     plan = mla_jax.DecodePlan(num_heads=h, page_size=PAGE_SIZE, sm_scale=SM_SCALE, q_len=q, causal=q > 1,
                               backend=args.backend, kernel=kernel)
     scale = None if variant == "bf16" else kv_scale
@@ -110,13 +110,13 @@ def bench_row(b, q, h, seq, args, ceilings):
       r = dict(error=f"{type(e).__name__}: {e}"[:400], ok=False)
     rec[variant] = r
     del caches
-  f, bf, pt = rec["fp8"], rec["bf16"], rec["portable"]
-  rec.update(kind="dense_fp8", mla_jax_us=f.get("us"), mla_jax_gpu_us=f.get("gpu_us"), bf16_us=bf.get("us"),
-             portable_us=pt.get("us"))
+  f, bf, pt = rec["fp8"], rec["bf16"], rec[args.compare]
+  rec.update(kind="dense_fp8", mla_jax_us=f.get("us"), mla_jax_gpu_us=f.get("gpu_us"), bf16_us=bf.get("us"))
+  rec[f"{args.compare}_us"] = pt.get("us")
   if "us" in f and "us" in bf:
     rec["bf16_over_fp8"] = bf["us"] / f["us"]
   if "us" in f and "us" in pt:
-    rec["portable_over_fp8"] = pt["us"] / f["us"]
+    rec[f"{args.compare}_over_fp8"] = pt["us"] / f["us"]
   return rec
 
 
@@ -126,6 +126,8 @@ def main(argv=None):
   ap.add_argument("--out", default=None, help="JSON results path")
   ap.add_argument("--commit", default=None)
   ap.add_argument("--rows", default="", help="comma list of row indices")
+  ap.add_argument("--compare", default="portable",
+                  help="kernel forced on the FP8 cache for the third variant (default portable)")
   ap.add_argument("--smoke", action="store_true", help="tiny shapes: a CPU check of the script")
   ap.add_argument("--no-device-time", action="store_true")
   args = ap.parse_args(argv)
@@ -145,7 +147,7 @@ def main(argv=None):
   meta = dict(benchmark="paged_decode dense FP8 vs bf16", device=dev.device_kind, platform=dev.platform,
               date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               commit=commit, dirty=dirty, source_digest=source_digest(), env=mla_jax_env(), jax=jax.__version__,
-              backend=args.backend, ceilings=ceilings,
+              backend=args.backend, compare=args.compare, ceilings=ceilings,
               method="median wall-clock slope of chained jitted calls (bench_paged_decode.py); gpu_us: "
                      "profiler-trace slope; block_table/seq_lens fed as host arrays every execution",
               flops="2*q_len*sum_seq*H*(576+512)",
@@ -161,17 +163,17 @@ def main(argv=None):
   if ceilings:
     print(f"copy ceiling {ceilings['memcpy']['bw_Bps'] / 1e12:.2f} TB/s (torch memcpy, same run)")
   print(f"{'B':>4} {'q':>2} {'H':>4} {'seq':>6} | {'fp8 us':>8} {'gpu':>8} {'GB/s':>6} {'kernel':>14} | "
-        f"{'bf16 us':>8} {'bf16/fp8':>8} | {'portable':>8} {'port/fp8':>8} | relerr fp8")
+        f"{'bf16 us':>8} {'bf16/fp8':>8} | {args.compare[:8]:>8} {'/fp8':>8} | relerr fp8")
   ok = True
   for r in rows:
-    f, bf, pt = r["fp8"], r["bf16"], r["portable"]
+    f, bf, pt = r["fp8"], r["bf16"], r[args.compare]
     ok &= all(v.get("ok", False) for v in (f, bf, pt))
     cell = lambda v, k, fmt: format(v[k], fmt) if k in v else "-"
     print(f"{r['b']:>4} {r['q_len']:>2} {r['h']:>4} {r['seq']:>6} | {cell(f, 'us', '8.1f'):>8} "
           f"{cell(f, 'gpu_us', '8.1f'):>8} {cell(f, 'gbs', '6.0f'):>6} {f.get('kernel', 'ERROR'):>14} | "
           f"{cell(bf, 'us', '8.1f'):>8} {cell(r, 'bf16_over_fp8', '8.2f'):>8} | {cell(pt, 'us', '8.1f'):>8} "
-          f"{cell(r, 'portable_over_fp8', '8.2f'):>8} | {cell(f, 'relerr', '.1e')}")
-    for name in VARIANTS:
+          f"{cell(r, args.compare + '_over_fp8', '8.2f'):>8} | {cell(f, 'relerr', '.1e')}")
+    for name in ("fp8", "bf16", args.compare):
       if "error" in r[name]:
         print(f"     {name}: {r[name]['error']}")
   return 0 if ok else 1

@@ -571,26 +571,29 @@ def test_equal_pieces_schedule_when_requests_are_few(heads, k, seq_len):
     (33, 2, 256, jnp.bfloat16, "packed"),
     (16, 4, 64, jnp.float16, "packed"),
     (128, 4, 32, jnp.bfloat16, "pair"),
-    (32, 1, 16, jnp.bfloat16, "pair"),     # 17-32 rows: the lock-step kernel too (one zero-filled block)
-    (12, 2, 64, jnp.float16, "packed"),
-    (16, 1, 64, jnp.bfloat16, "packed"),   # <= 16 rows, page_size a multiple of 64: the swap-AB kernel
+    (32, 1, 16, jnp.bfloat16, "pair"),     # 17-32 rows, pages TMA cannot load: the lock-step kernel
+    (12, 2, 64, jnp.float16, "packed"),    # 17-32 rows, page_size a multiple of 64: swap-AB, 32-row block
+    (32, 1, 128, jnp.bfloat16, "pair"),
+    (20, 1, 64, jnp.bfloat16, "packed"),
+    (16, 2, 64, jnp.bfloat16, "pair"),
+    (16, 1, 64, jnp.bfloat16, "packed"),   # <= 16 rows, page_size a multiple of 64: swap-AB, 16-row block
     (12, 1, 128, jnp.float16, "pair"),
     (8, 2, 64, jnp.bfloat16, "pair"),
     (1, 1, 256, jnp.bfloat16, "packed"),
     (3, 4, 64, jnp.float16, "packed"),
 ])
 def test_fp8_cache_kernels(kernel, heads, q_len, page_size, dtype, layout):
-  # On sm_90 (auto) more than 16 query rows run the lock-step wgmma kernel,
-  # which converts the e4m3 rows on chip, and 16 or fewer over pages of a
-  # multiple of 64 tokens the swap-AB kernel; against the reference with
+  # On sm_90 (auto) up to 32 query rows over pages of a multiple of 64
+  # tokens run the swap-AB kernel, other shapes with more than 16 rows the
+  # lock-step wgmma kernel, which converts the e4m3 rows on chip; against the reference with
   # ragged and zero lengths, splits, MTP, bad pages, both cache layouts, and
   # NaN (e4m3 0x7F) in every slot no valid request may read.
   rows = heads * q_len
-  swapab_shape = rows <= 16 and page_size % 64 == 0
+  swapab_shape = rows <= 32 and page_size % 64 == 0
   if kernel in ("sm90_lockstep", "sm90_swapab") and not _hopper_kernels_available():
     pytest.skip(f"{kernel} needs an sm_90 GPU and a build with sm_90a code")
   if kernel == "sm90_swapab" and not swapab_shape:
-    pytest.skip("sm90_swapab serves at most 16 query rows over pages of a multiple of 64 tokens")
+    pytest.skip("sm90_swapab serves at most 32 query rows over pages of a multiple of 64 tokens")
   rng = np.random.default_rng(heads + 3 * q_len + page_size)
   lens = [0, 1, q_len, 63, 64, 65, max(page_size - 1, 1), page_size + 1, 2500, 11000, 300, 300]
   d = random_paged_inputs(rng, lens, num_heads=heads, page_size=page_size, q_len=q_len)
@@ -610,7 +613,7 @@ def test_fp8_cache_kernels(kernel, heads, q_len, page_size, dtype, layout):
                             causal=q_len > 1, backend="cuda", kernel=kernel)
   if kernel == "auto" and _hopper_kernels_available():
     got = mla_jax.explain(plan, q, cache, bt, sl, kv_scale=jnp.float32(0.37))
-    want = "sm90_lockstep" if rows > 16 else "sm90_swapab" if swapab_shape else "portable"
+    want = "sm90_swapab" if swapab_shape else "sm90_lockstep" if rows > 16 else "portable"
     assert got.kernel.kernel == want, str(got)
   _poison_allocator()
   out, lse = mla_jax.paged_decode(q, cache, jnp.asarray(bt), jnp.asarray(sl), plan=plan, return_lse=True,
@@ -625,20 +628,23 @@ def test_fp8_cache_kernels(kernel, heads, q_len, page_size, dtype, layout):
   assert worst <= 2e-2, f"worst row relative error {worst:.3g}"
 
 
+@pytest.mark.parametrize("heads", [16, 32])
 @pytest.mark.parametrize("batch,max_num_splits", [(300, None), (7, None), (40, 3)])
-def test_fp8_swapab_items_and_ring(batch, max_num_splits):
-  # The swap-AB kernel streams tiles through a ring of five stages that its
-  # two warpgroups refill for each other: long requests (many passes of the
-  # ring), several items per CTA (300 requests on 132 partitions; the stage
-  # barriers' phases carry over from item to item), split requests and
-  # lengths that leave every count of tiles mod 5 and mod 2.
+def test_fp8_swapab_items_and_ring(batch, max_num_splits, heads):
+  # The swap-AB kernel streams tiles through a ring of four stages (16 rows:
+  # each warpgroup refills its own two; 32 rows: both read every tile and
+  # the last warp to finish one refills its stage): long requests (many
+  # passes of the ring), several items per CTA (300 requests on 132
+  # partitions; the stage barriers' phases and the refill counts carry over
+  # from item to item), split requests and lengths that leave every count
+  # of tiles mod 4 and mod 2.
   if not _hopper_kernels_available():
     pytest.skip("sm90_swapab needs an sm_90 GPU and a build with sm_90a code")
   rng = np.random.default_rng(batch)
   lens = rng.integers(0, 1200 if batch > 100 else 20000, size=batch)
   lens[: min(batch, 11)] = np.arange(min(batch, 11)) * 64 + 1  # 1..11 tiles
-  d = random_paged_inputs(rng, list(lens), num_heads=16, page_size=64)
-  plan = mla_jax.DecodePlan(num_heads=16, page_size=64, sm_scale=SM_SCALE, backend="cuda",
+  d = random_paged_inputs(rng, list(lens), num_heads=heads, page_size=64)
+  plan = mla_jax.DecodePlan(num_heads=heads, page_size=64, sm_scale=SM_SCALE, backend="cuda",
                             max_num_splits=max_num_splits)
   q = jnp.asarray(d["query"], jnp.bfloat16)
   kv8 = jnp.asarray(d["kv_cache"] * 8.0, jnp.float8_e4m3fn)

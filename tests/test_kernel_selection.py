@@ -64,15 +64,18 @@ def test_other_architectures_run_the_portable_kernel(device):
 
 @needs_sm90a
 @pytest.mark.parametrize("heads,page_size,want", [(128, 64, "sm90_lockstep"), (64, 16, "sm90_lockstep"),
-                                                  (32, 64, "sm90_lockstep"), (24, 64, "sm90_lockstep"),
+                                                  (33, 64, "sm90_lockstep"), (32, 16, "sm90_lockstep"),
+                                                  (24, 32, "sm90_lockstep"), (32, 64, "sm90_swapab"),
+                                                  (24, 128, "sm90_swapab"), (17, 64, "sm90_swapab"),
                                                   (16, 64, "sm90_swapab"), (12, 128, "sm90_swapab"),
                                                   (1, 64, "sm90_swapab"), (16, 16, "portable"),
                                                   (12, 32, "portable")])
 def test_fp8_cache_kernel_choice(heads, page_size, want):
-  # More than 16 query rows: the lock-step kernel converts the e4m3 rows on
-  # chip; 16 or fewer: the swap-AB kernel where TMA loads whole tiles (page
-  # size a multiple of 64), else the portable kernel's 16-row blocks. Never
-  # the seesaw kernel (its TMA boxes land the rows as they are).
+  # Up to 32 query rows where TMA loads whole tiles (page size a multiple
+  # of 64): the swap-AB kernel. Otherwise more than 16 rows: the lock-step
+  # kernel, which gathers and converts the e4m3 rows on chip; 16 or fewer:
+  # the portable kernel's 16-row blocks. Never the seesaw kernel (its TMA
+  # boxes land the rows as they are).
   plan = mla_jax.DecodePlan(num_heads=heads, page_size=page_size, sm_scale=SM_SCALE, backend="cuda")
   got = mla_jax.explain(plan, *_paged(4, heads, page_size, kv_dtype=jnp.float8_e4m3fn),
                         kv_scale=jax.ShapeDtypeStruct((), jnp.float32), device=H200)
@@ -99,10 +102,15 @@ def test_swapab_serves_fp8_caches_with_few_rows_only():
   got = mla_jax.explain(plan, *_paged(4, 8, 64, q_len=2, kv_dtype=jnp.float8_e4m3fn),
                         kv_scale=jax.ShapeDtypeStruct((), jnp.float32), device=H200)
   assert got.kernel == KernelChoice("sm90_swapab", "kernel", "block", False), str(got)
-  for heads, q_len, kv_dtype in ((16, 2, jnp.float8_e4m3fn), (16, 1, jnp.bfloat16)):
+  for heads, q_len, kv_dtype in ((16, 2, jnp.float8_e4m3fn), (32, 1, jnp.float8_e4m3fn)):
+    ok = dataclasses.replace(plan, num_heads=heads, q_len=q_len)
+    got = mla_jax.explain(ok, *_paged(4, heads, 64, q_len=q_len, kv_dtype=kv_dtype),
+                          kv_scale=jax.ShapeDtypeStruct((), jnp.float32), device=H200)
+    assert got.kernel.kernel == "sm90_swapab", str(got)
+  for heads, q_len, kv_dtype in ((16, 3, jnp.float8_e4m3fn), (33, 1, jnp.float8_e4m3fn), (16, 1, jnp.bfloat16)):
     bad = dataclasses.replace(plan, num_heads=heads, q_len=q_len)
     kw = {"kv_scale": jax.ShapeDtypeStruct((), jnp.float32)} if kv_dtype != jnp.bfloat16 else {}
-    with pytest.raises(ValueError, match="sm90_swapab.*16 query rows"):
+    with pytest.raises(ValueError, match="sm90_swapab.*32 query rows"):
       mla_jax.explain(bad, *_paged(4, heads, 64, q_len=q_len, kv_dtype=kv_dtype), device=H200, **kw)
 
 

@@ -24,7 +24,7 @@ enum class KernelFamily : int {
   kPortable = 1,      // sm80/: mma.sync, cp.async; any CUDA architecture
   kSm90Lockstep = 2,  // sm90/decode_kernel.cuh: wgmma, 64-row blocks, cp.async or TMA loads
   kSm90Seesaw = 3,    // sm90/decode_seesaw.cuh: wgmma, TMA loads, warpgroups take turns
-  kSm90SwapAB = 4,    // sm90/decode_swapab.cuh: dense e4m3 cache, <= 16 rows, tokens as wgmma's M
+  kSm90SwapAB = 4,    // sm90/decode_swapab.cuh: dense e4m3 cache, <= 32 rows, tokens as wgmma's M
 };
 
 enum class ScheduleMode : int {

@@ -174,7 +174,8 @@ Selection select_kernel(const DecodeFacts& f, const KernelConfig& requested, std
   // kernel's 16-row block is.
   const bool lockstep_rows = fp8 ? rows > 16 : wide;
   // The swap-AB kernel: a dense e4m3 cache TMA loads tile by tile (its
-  // boxes land the raw bytes), 16 query rows or fewer (wgmma's N).
+  // boxes land the raw bytes), 32 query rows or fewer (wgmma's N). It is
+  // chosen before the lock-step kernel (docs/perf.md, "FP8 caches").
   const bool swapab = tma_tiles && f.kv_format == KvFormat::kPlain && f.kv_type == ElemType::kFP8E4M3 &&
                       f.kv_pages_contiguous && rows <= kSwapAbMaxRows;
 

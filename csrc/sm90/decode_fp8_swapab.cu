@@ -1,6 +1,7 @@
 // Instantiation: the swap-AB kernel (decode_swapab.cuh) for a float8_e4m3fn
-// cache with one kv_scale, bf16 or fp16 query, 16 query rows per CTA (a
-// 32-row instantiation needs 128 more accumulator registers and spills).
+// cache with one kv_scale, bf16 or fp16 query, 16 query rows per CTA (up to
+// 16 rows per request) or 32 (17 to 32 rows; the warpgroups split O^T's
+// features).
 #include "csrc/sm90/api.h"
 #include "csrc/sm90/decode_swapab.cuh"
 #include "csrc/smxx/api.h"
@@ -33,14 +34,18 @@ cudaError_t run_decode_fp8_swapab(const PagedDecodeParams& params, const DecodeW
                                   const SplitSchedule& schedule, cudaStream_t stream) {
   // select_kernel routes only such calls here; the kernel addresses cache
   // row page * page_size + slot with the token stride alone.
-  if (params.rows_per_request() > 16 || params.kv_type != ElemType::kFP8E4M3 ||
+  const int rows = params.rows_per_request();
+  if (rows > 32 || params.kv_type != ElemType::kFP8E4M3 ||
       params.kv_format != KvFormat::kPlain ||
       params.ckv_page_stride != int64_t{params.page_size} * params.ckv_token_stride ||
       params.kpe_page_stride != int64_t{params.page_size} * params.kpe_token_stride)
     return cudaErrorNotSupported;
-  return params.q_type == ElemType::kBF16
-             ? launch_swapab<SwapAbTraits<__nv_bfloat16, 16>>(params, ws, schedule, stream)
-             : launch_swapab<SwapAbTraits<__half, 16>>(params, ws, schedule, stream);
+  const bool bf16 = params.q_type == ElemType::kBF16;
+  if (rows <= 16)
+    return bf16 ? launch_swapab<SwapAbTraits<__nv_bfloat16, 16>>(params, ws, schedule, stream)
+                : launch_swapab<SwapAbTraits<__half, 16>>(params, ws, schedule, stream);
+  return bf16 ? launch_swapab<SwapAbTraits<__nv_bfloat16, 32>>(params, ws, schedule, stream)
+              : launch_swapab<SwapAbTraits<__half, 32>>(params, ws, schedule, stream);
 }
 
 }  // namespace sm90

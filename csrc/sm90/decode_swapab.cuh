@@ -1,12 +1,13 @@
 // Kernel body of the Hopper (sm_90a) swap-AB decode: dense e4m3 caches
-// (one kv_scale) whose pages TMA can load tile by tile, 16 query rows per
+// (one kv_scale) whose pages TMA can load tile by tile, 32 query rows per
 // request or fewer. The tile configuration, the operand permutations and
 // the shared-memory plan are in swapab_traits.h.
 //
 // Per item (a request, or a piece of one, from the scheduler kernel): the
 // CTA converts its query rows to fp16 (each row times a power of two that
 // brings its largest value just below 2^15), then warpgroup w of W takes the
-// item's tiles w, w + W, ... from the stage ring:
+// item's tiles w, w + W, ... from the stage ring (with kN = 32 both take
+// every tile, and step 4 covers the warpgroup's 256 features):
 //   1. S^T = K Q^T: nine 64-feature blocks, each converted from the raw
 //      stage into registers while the previous block's wgmma runs;
 //   2. column (query row) maxima over the tile's 64 tokens: lanes, then the
@@ -18,7 +19,8 @@
 //      second V^T fragment does not fit the registers);
 //   5. the stage is refilled with tile t + kStages.
 // At the item's end the warpgroups merge (m, l, O^T) through shared memory
-// and warpgroup 0 writes the output.
+// and warpgroup 0 writes the output (with kN = 32 each warpgroup writes its
+// features).
 #pragma once
 
 #include <cuda_fp8.h>
@@ -61,6 +63,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   using Elem = typename Tr::Elem;
   constexpr int kN = Tr::kN, kBlockN = Tr::kBlockN, kCols = Tr::kColsPerThread;
   constexpr int kOVals = kN / 2;  // accumulator values per thread and m-block
+  constexpr bool kSplit = Tr::kSplitO;
+  constexpr int kOFeat = Tr::kOFeatures, kMBlocks = kOFeat / 64;
   constexpr float kLn2 = 0.6931471805599453f;
   using cutlass::arch::NamedBarrier;
   using FullBarrier = cutlass::arch::ClusterTransactionBarrier;
@@ -72,9 +76,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   char* const shared = smem_raw + smem_pad;
   float* sRed = reinterpret_cast<float*>(shared + Tr::kSmemRed);    // [wg][warp][kN]
   float* sMax = reinterpret_cast<float*>(shared + Tr::kSmemMax);    // [wg][kN]
-  int* sQExp = reinterpret_cast<int*>(shared + Tr::kSmemQExp);      // [kN]
+  float* sColScale = reinterpret_cast<float*>(shared + Tr::kSmemColScale);  // [kN]
   int* s_bad_page = reinterpret_cast<int*>(shared + Tr::kSmemFlags);
-  volatile int* s_issued = reinterpret_cast<volatile int*>(shared + Tr::kSmemIssued);
+  int* s_release = reinterpret_cast<int*>(shared + Tr::kSmemRelease);  // [stage] warp count (kSplitO)
   uint64_t* kv_full = reinterpret_cast<uint64_t*>(shared + Tr::kSmemBarriers);
 
   const int tid = threadIdx.x;
@@ -91,16 +95,16 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   auto thr = mma.get_thread_slice(wg_tid);
   Tensor tOrP = thr.partition_fragment_B(sP);  // (MMA, 1, 4)
   Tensor tSrS = partition_fragment_C(mma, Shape<_64, Int<kN>>{});   // S^T, this thread's part
-  Tensor tOrO = partition_fragment_C(mma, Shape<_512, Int<kN>>{});  // O^T: (MMA, 8 m-blocks, 1)
+  Tensor tOrO = partition_fragment_C(mma, Shape<Int<kOFeat>, Int<kN>>{});  // O^T: (MMA, m-blocks, 1)
   // Register A operands: two for S^T, so one block can be filled while
   // wgmma reads the other (a second V^T fragment spills). Only the shapes of
   // these shared-memory views matter.
   auto shape_k = make_tensor(make_smem_ptr(reinterpret_cast<Elem*>(smem)), make_layout(Shape<_64, _64>{}));
-  auto shape_v = make_tensor(make_smem_ptr(reinterpret_cast<Elem*>(smem)), make_layout(Shape<_512, _16>{}));
+  auto shape_v = make_tensor(make_smem_ptr(reinterpret_cast<Elem*>(smem)), make_layout(Shape<Int<kOFeat>, _16>{}));
   Tensor tKa = thr.partition_fragment_A(shape_k);  // (MMA, 1, 4): one 64-feature block
   Tensor tKb = thr.partition_fragment_A(shape_k);
-  Tensor tVa = thr.partition_fragment_A(shape_v);  // (MMA, 8, 1): one 16-token k-step
-    static_assert(decltype(size(tSrS))::value == kOVals && decltype(size(tOrO))::value == 8 * kOVals);
+  Tensor tVa = thr.partition_fragment_A(shape_v);  // (MMA, m-blocks, 1): one 16-token k-step
+  static_assert(decltype(size(tSrS))::value == kOVals && decltype(size(tOrO))::value == kMBlocks * kOVals);
 
   // Accumulator element e: token (S^T) or output-row half (O^T) 8 * ((e / 2) % 2),
   // query row col(e % 2 + 2 (e / 4)).
@@ -113,7 +117,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   constexpr int kW = Tr::kWarpgroups, kS = Tr::kStages;
   if (tid == 0) {
 #pragma unroll
-    for (int i = 0; i < kS; ++i) FullBarrier::init(&kv_full[i], 1);
+    for (int i = 0; i < kS; ++i) {
+      FullBarrier::init(&kv_full[i], 1);
+      s_release[i] = 0;
+    }
     cutlass::arch::fence_barrier_init();
   }
   __syncthreads();
@@ -129,10 +136,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     const int32_t* table = p.block_table + static_cast<int64_t>(it.b) * p.max_pages_per_seq;
 
     __syncthreads();  // the previous item is done with every buffer
-    if (tid == 0) {
-      *s_bad_page = 0;
-      for (int j = 0; j < kS; ++j) s_issued[j] = -1;
-    }
+    if (tid == 0) *s_bad_page = 0;
     __syncthreads();
 
     auto fetch_entry = [&](int t) {
@@ -165,7 +169,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     }
 
     // The query rows in fp16, permuted (query_k) and scaled per row by
-    // 2^shift; sQExp[row] = -shift. 8 threads per row, 9 chunks each.
+    // 2^shift; sColScale[row]: the softmax scale (log2 domain, kv_scale
+    // folded in) times 2^-shift. 8 threads per row, 9 chunks each.
     if (tid < kN * 8) {
       const int r = tid / 8, lane8 = tid % 8;
       const bool live = r < rows;
@@ -214,22 +219,26 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
           *reinterpret_cast<__half2*>(sQ_shared + kmajor_offset<kN>(r, query_k(8 * ch + 2 * k))) = h;
         }
       }
-      if (lane8 == 0) sQExp[r] = -shift;
+      if (lane8 == 0) sColScale[r] = ldexpf(softmax.scale_log2, -shift);
     }
     fence_smem_for_wgmma();
     __syncthreads();  // the query and its exponents are in shared memory
 
     // Per accumulator column: softmax scale (log2 domain, kv_scale and the
-    // query's power of two folded in) and visible length.
-    float col_scale[kCols];
-    int limit[kCols];
+    // query's power of two folded in) and visible length (worked out only
+    // for the tiles that need it: registers are short).
+    // With kN = 32 the scales are read from shared memory at each use.
+    float col_scale[kSplit ? 1 : kCols];
+    if constexpr (!kSplit) {
 #pragma unroll
-    for (int ci = 0; ci < kCols; ++ci) {
-      const int col = col_of(ci);
-      col_scale[ci] = ldexpf(softmax.scale_log2, sQExp[col]);
-      const int qi = col < rows ? col / p.num_heads : 0;
-      limit[ci] = col < rows ? static_cast<int>(min(visible_len(it.seq_len, p.q_len, qi, p.causal), tok_end)) : 0;
+      for (int ci = 0; ci < kCols; ++ci) col_scale[ci] = sColScale[col_of(ci)];
     }
+    auto scale_of = [&](int ci) { return kSplit ? sColScale[col_of(ci)] : col_scale[kSplit ? 0 : ci]; };
+    auto limit_of = [&](int ci) {
+      const int col = col_of(ci);
+      return col < rows ? static_cast<int>(min(visible_len(it.seq_len, p.q_len, col / p.num_heads, p.causal), tok_end))
+                        : 0;
+    };
     // Every live row sees at least this many tokens (query token 0's).
     const int min_limit = static_cast<int>(min(visible_len(it.seq_len, p.q_len, 0, p.causal), tok_end));
 
@@ -242,18 +251,15 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     clear(tOrO);
 
     const int tok_row0 = 16 * warp + g;  // this thread's S^T token rows: tok_row0, tok_row0 + 8
-    for (int t = wg; t < num_tiles; t += kW) {
+    // Every consumer of a stage has waited on each of its earlier phases
+    // (kN = 16: the stage's owner; kN = 32: everyone), so a parity wait
+    // names tile t's phase alone.
+    for (int t = kSplit ? 0 : wg; t < num_tiles; t += kSplit ? 1 : kW) {
       const int j = t % kS;
       const char* stage = shared + Tr::kSmemKv + j * Tr::kStageBytes;
+      // The refill's page, looked up early by whoever may issue it.
       int next_entry = 0;
-      if (wg_tid == 0 && t + kS < num_tiles) next_entry = fetch_entry(t + kS);
-      // Tiles past the first kS are issued by whichever warpgroup freed
-      // their stage; once tile t is issued, the stage's previous phase is
-      // complete and the parity names tile t's phase alone.
-      if (t >= kS) {
-        while (s_issued[j] != t) {
-        }
-      }
+      if ((kSplit ? lane : wg_tid) == 0 && t + kS < num_tiles) next_entry = fetch_entry(t + kS);
       FullBarrier::wait(&kv_full[j], ((stage_parity >> j) ^ static_cast<uint32_t>(t / kS)) & 1u);
 
       // 1. S^T over the nine blocks.
@@ -324,13 +330,25 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       float tmax[kCols];
 #pragma unroll
       for (int ci = 0; ci < kCols; ++ci) tmax[ci] = -INFINITY;
+      if (all_visible) {
 #pragma unroll
-      for (int e = 0; e < kOVals; ++e) {
-        const int ci = col_index(e);
-        float v = tSrS(e) * col_scale[ci];
-        if (!all_visible && tok0 + tok_row0 + 8 * ((e >> 1) & 1) >= limit[ci]) v = -INFINITY;
-        tSrS(e) = v;
-        tmax[ci] = fmaxf(tmax[ci], v);
+        for (int e = 0; e < kOVals; ++e) {
+          const int ci = col_index(e);
+          tSrS(e) *= scale_of(ci);
+          tmax[ci] = fmaxf(tmax[ci], tSrS(e));
+        }
+      } else {
+        int limit[kCols];
+#pragma unroll
+        for (int ci = 0; ci < kCols; ++ci) limit[ci] = limit_of(ci);
+#pragma unroll
+        for (int e = 0; e < kOVals; ++e) {
+          const int ci = col_index(e);
+          float v = tSrS(e) * scale_of(ci);
+          if (tok0 + tok_row0 + 8 * ((e >> 1) & 1) >= limit[ci]) v = -INFINITY;
+          tSrS(e) = v;
+          tmax[ci] = fmaxf(tmax[ci], v);
+        }
       }
       float* red = sRed + wg * 4 * kN;
 #pragma unroll
@@ -379,23 +397,36 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       const int valid = static_cast<int>(min(int64_t{kBlockN}, tok_end - tok0));
       // kTail: the tile ends before its 64th token (its own instantiation,
       // so full tiles carry no selects).
-      auto load_v = [&](int js, uint4 (&raw)[4], auto tail_const) __attribute__((always_inline)) {
+      // A thread's V^T bytes of one token: 16 features (kN = 16), or 8
+      // (kN = 32: half a 16-byte chunk of box 2 wg + warp / 2); see
+      // swapab_traits.h for which.
+      constexpr int kVWords = kMBlocks / 2;  // 32-bit words of e4m3 per token
+      using VRaw = uint32_t[4][kVWords];
+      auto load_v = [&](int js, VRaw& raw, auto tail_const) __attribute__((always_inline)) {
         const int tau0 = 16 * js + 2 * quad;
         const int taus[4] = {tau0, tau0 + 1, tau0 + 8, tau0 + 9};
 #pragma unroll
         for (int q = 0; q < 4; ++q) {
-          raw[q] = lds128(stage + warp * Tr::kCkvBoxBytes + taus[q] * 128 + ((g ^ (taus[q] & 7)) << 4));
-          if (decltype(tail_const)::value && taus[q] >= valid) raw[q] = make_uint4(0u, 0u, 0u, 0u);
+          const bool zero = decltype(tail_const)::value && taus[q] >= valid;
+          if constexpr (kSplit) {
+            const int chunk = 4 * (warp & 1) + (g >> 1);
+            const uint2 v = *reinterpret_cast<const uint2*>(stage + (2 * wg + (warp >> 1)) * Tr::kCkvBoxBytes +
+                                                           taus[q] * 128 + ((chunk ^ (taus[q] & 7)) << 4) + (g & 1) * 8);
+            raw[q][0] = zero ? 0u : v.x;
+            raw[q][1] = zero ? 0u : v.y;
+          } else {
+            const uint4 v = lds128(stage + warp * Tr::kCkvBoxBytes + taus[q] * 128 + ((g ^ (taus[q] & 7)) << 4));
+            raw[q][0] = zero ? 0u : v.x;
+            raw[q][1] = zero ? 0u : v.y;
+            raw[q][2] = zero ? 0u : v.z;
+            raw[q][3] = zero ? 0u : v.w;
+          }
         }
       };
-      auto convert_v = [&](const uint4 (&raw)[4], auto& frag) {
+      auto convert_v = [&](const VRaw& x, auto& frag) {
         auto words = recast<uint32_t>(frag);  // word u of m-block mb at u + 4 mb
-        const uint32_t x[4][4] = {{raw[0].x, raw[0].y, raw[0].z, raw[0].w},
-                                  {raw[1].x, raw[1].y, raw[1].z, raw[1].w},
-                                  {raw[2].x, raw[2].y, raw[2].z, raw[2].w},
-                                  {raw[3].x, raw[3].y, raw[3].z, raw[3].w}};
 #pragma unroll
-        for (int q = 0; q < 4; ++q) {
+        for (int q = 0; q < kVWords; ++q) {
           // Bytes (token a, token a + 1) of features 4q + {0, 1} and 4q + {2, 3}.
           const uint32_t lo01 = __byte_perm(x[0][q], x[1][q], 0x5140), hi01 = __byte_perm(x[0][q], x[1][q], 0x7362);
           const uint32_t lo23 = __byte_perm(x[2][q], x[3][q], 0x5140), hi23 = __byte_perm(x[2][q], x[3][q], 0x7362);
@@ -416,7 +447,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         warpgroup_commit_batch();
       };
       auto pv = [&](auto tail) __attribute__((always_inline)) {
-        uint4 raw[4];
+        VRaw raw;
         warpgroup_fence_operand(tOrO);
         load_v(0, raw, tail);
         convert_v(raw, tVa);
@@ -438,9 +469,20 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       }
       // 5. The stage is free: tile t + kS (after this warpgroup's last read
       // of it: its wgmmas, which read the converted fragments, are done).
-      if (wg_tid == 0 && t + kS < num_tiles) {
-        issue_tile(t + kS, next_entry);
-        s_issued[j] = t + kS;
+      if constexpr (kSplit) {
+        // The eighth warp to finish the tile refills its stage. The counter
+        // only grows (by 8 per tile), so it needs no reset.
+        __syncwarp();
+        if (lane == 0) {
+          __threadfence_block();  // this warp's reads of the stage before the count
+          const int done = atomicAdd(&s_release[j], 1);
+          if ((done & 7) == 7 && t + kS < num_tiles) {
+            __threadfence_block();  // the other warps' reads before the refill
+            issue_tile(t + kS, next_entry);
+          }
+        }
+      } else {
+        if (wg_tid == 0 && t + kS < num_tiles) issue_tile(t + kS, next_entry);
       }
     }
 #pragma unroll
@@ -449,7 +491,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       stage_parity ^= static_cast<uint32_t>(uses & 1) << j;
     }
 
-    // Epilogue: merge the warpgroups' (m, l, O^T) and write.
+    // Epilogue: merge the warpgroups' (m, l, O^T) and write (kN = 32: each
+    // warpgroup has (m, l) of all tokens and writes its own features).
 #pragma unroll
     for (int ci = 0; ci < kCols; ++ci) {
       l_part[ci] += __shfl_xor_sync(0xffffffffu, l_part[ci], 4);
@@ -463,83 +506,102 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     __syncthreads();
     const bool bad = !it.len_ok || *s_bad_page != 0;
     const bool split = it.splits > 1;
-    // Warpgroups 1.. hand their O^T, scaled to the common max, to
-    // warpgroup 0 through the (idle) stages, which writes the output.
-    float* xch = reinterpret_cast<float*>(shared + Tr::kSmemKv);
-    float own_factor[kCols], out_scale[kCols];
-#pragma unroll
-    for (int ci = 0; ci < kCols; ++ci) {
+    // Column col's LSE and output scale from its max and sum; the LSE is
+    // written by one thread.
+    auto finish_column = [&](int ci, float mx, float total) {
       const int col = col_of(ci);
-      float mx = -INFINITY;
-#pragma unroll
-      for (int w = 0; w < kW; ++w) mx = fmaxf(mx, sMax[w * kN + col]);
-      float total = 0.f;
-#pragma unroll
-      for (int w = 0; w < kW; ++w) {
-        const float mw = sMax[w * kN + col];
-        const float f = mw == -INFINITY ? 0.f : fast_exp2(mw - mx);
-        if (w == wg) own_factor[ci] = f;
-#pragma unroll
-        for (int k = 0; k < 4; ++k) total += sRed[(w * 4 + k) * kN + col] * f;
-      }
-      float lse;
+      float lse, scale;
       if (bad) {
         lse = NAN;
-        out_scale[ci] = NAN;
+        scale = NAN;
       } else if (total > 0.f) {
         lse = mx * kLn2 + logf(total);
-        out_scale[ci] = softmax.kv_scale / total;
-        if (p.attn_sink != nullptr && !split && col < rows)
-          out_scale[ci] /= 1.f + __expf(p.attn_sink[col % p.num_heads] - lse);
+        scale = softmax.kv_scale / total;
+        if (p.attn_sink != nullptr && !split && col < rows) scale /= 1.f + __expf(p.attn_sink[col % p.num_heads] - lse);
       } else {
         lse = -INFINITY;  // nothing visible: out 0
-        out_scale[ci] = 0.f;
+        scale = 0.f;
       }
       if (wg == 0 && warp == 0 && g == 0 && col < rows) {
         const int64_t out_row = split ? int64_t{item} * rows + col : int64_t{it.b} * rows + col;
         (split ? ws.lse_accum : p.lse)[out_row] = lse;
       }
-    }
-    constexpr int kOPerThread = 8 * kOVals;
-    if (wg > 0) {
-      float* mine = xch + (wg - 1) * (Tr::kOBytes / 4);
+      return scale;
+    };
+    // Thread (warp, g) holds features feat0 + 2 mb + h of its columns:
+    // kFeat contiguous values of each, written times `scale`.
+    constexpr int kFeat = 2 * kMBlocks;
+    const int64_t block_row = (split ? int64_t{item} : int64_t{it.b}) * rows;
+    const int feat0 = kSplit ? 256 * wg + 64 * warp + 8 * g : 128 * warp + 16 * g;
+    auto write_column = [&](int ci, float scale) {
+      const int col = col_of(ci);
+      if (col >= rows) return;
+      float v[kFeat];
 #pragma unroll
-      for (int i = 0; i < kOPerThread; ++i) mine[i * 128 + wg_tid] = tOrO(i) * own_factor[col_index(i % kOVals)];
-    }
-    __syncthreads();
-    if (wg == 0) {
+      for (int mb = 0; mb < kMBlocks; ++mb) {
 #pragma unroll
-      for (int i = 0; i < kOPerThread; ++i) {
-        float o = tOrO(i) * own_factor[col_index(i % kOVals)];
-#pragma unroll
-        for (int w = 1; w < kW; ++w) o += xch[(w - 1) * (Tr::kOBytes / 4) + i * 128 + wg_tid];
-        tOrO(i) = o * out_scale[col_index(i % kOVals)];
+        for (int h = 0; h < 2; ++h) v[2 * mb + h] = tOrO((ci & 1) + 4 * (ci >> 1) + 2 * h, mb, 0) * scale;
       }
-      // Thread (warp, g) holds features 128 warp + 16 g + 2 mb + h of its
-      // columns: 16 contiguous values of each.
-      const int64_t block_row = (split ? int64_t{item} : int64_t{it.b}) * rows;
-      const int feat0 = 128 * warp + 16 * g;
+      if (split) {
+        float4* dst = reinterpret_cast<float4*>(ws.out_accum + (block_row + col) * Tr::kDimNope + feat0);
+#pragma unroll
+        for (int k = 0; k < kFeat / 4; ++k) dst[k] = make_float4(v[4 * k], v[4 * k + 1], v[4 * k + 2], v[4 * k + 3]);
+      } else {
+        uint4* dst = reinterpret_cast<uint4*>(static_cast<T*>(p.out) + (block_row + col) * Tr::kDimNope + feat0);
+#pragma unroll
+        for (int k = 0; k < kFeat / 8; ++k)
+          dst[k] = make_uint4(smxx::pack2<T>(v[8 * k], v[8 * k + 1]), smxx::pack2<T>(v[8 * k + 2], v[8 * k + 3]),
+                              smxx::pack2<T>(v[8 * k + 4], v[8 * k + 5]), smxx::pack2<T>(v[8 * k + 6], v[8 * k + 7]));
+      }
+    };
+    if constexpr (kSplit) {
+      // Both warpgroups saw every token: their (m, l) are the column's, and
+      // each writes its features, one column at a time.
+#pragma unroll
+      for (int ci = 0; ci < kCols; ++ci) {
+        float total = 0.f;
+#pragma unroll
+        for (int k = 0; k < 4; ++k) total += sRed[(wg * 4 + k) * kN + col_of(ci)];
+        write_column(ci, finish_column(ci, m_run[ci], total));
+      }
+    } else {
+      // Warpgroups 1.. hand their O^T, scaled to the common max, to
+      // warpgroup 0 through the (idle) stages, which writes the output.
+      float* xch = reinterpret_cast<float*>(shared + Tr::kSmemKv);
+      float own_factor[kCols], out_scale[kCols];
 #pragma unroll
       for (int ci = 0; ci < kCols; ++ci) {
         const int col = col_of(ci);
-        if (col >= rows) continue;
-        float v[16];
+        float mx = -INFINITY, total = 0.f;
 #pragma unroll
-        for (int mb = 0; mb < 8; ++mb) {
+        for (int w = 0; w < kW; ++w) mx = fmaxf(mx, sMax[w * kN + col]);
 #pragma unroll
-          for (int h = 0; h < 2; ++h) v[2 * mb + h] = tOrO((ci & 1) + 4 * (ci >> 1) + 2 * h, mb, 0);
+        for (int w = 0; w < kW; ++w) {
+          const float mw = sMax[w * kN + col];
+          const float f = mw == -INFINITY ? 0.f : fast_exp2(mw - mx);
+          if (w == wg) own_factor[ci] = f;
+#pragma unroll
+          for (int k = 0; k < 4; ++k) total += sRed[(w * 4 + k) * kN + col] * f;
         }
-        if (split) {
-          float4* dst = reinterpret_cast<float4*>(ws.out_accum + (block_row + col) * Tr::kDimNope + feat0);
+        out_scale[ci] = finish_column(ci, mx, total);
+      }
+      constexpr int kOPerThread = kMBlocks * kOVals;
+      if (wg > 0) {
+        float* mine = xch + (wg - 1) * (Tr::kOBytes / 4);
 #pragma unroll
-          for (int k = 0; k < 4; ++k) dst[k] = make_float4(v[4 * k], v[4 * k + 1], v[4 * k + 2], v[4 * k + 3]);
-        } else {
-          uint4* dst = reinterpret_cast<uint4*>(static_cast<T*>(p.out) + (block_row + col) * Tr::kDimNope + feat0);
+        for (int i = 0; i < kOPerThread; ++i) mine[i * 128 + wg_tid] = tOrO(i) * own_factor[col_index(i % kOVals)];
+      }
+      __syncthreads();
+      if (wg == 0) {
 #pragma unroll
-          for (int k = 0; k < 2; ++k)
-            dst[k] = make_uint4(smxx::pack2<T>(v[8 * k], v[8 * k + 1]), smxx::pack2<T>(v[8 * k + 2], v[8 * k + 3]),
-                                smxx::pack2<T>(v[8 * k + 4], v[8 * k + 5]), smxx::pack2<T>(v[8 * k + 6], v[8 * k + 7]));
+        for (int i = 0; i < kOPerThread; ++i) {
+          float o = tOrO(i) * own_factor[col_index(i % kOVals)];
+#pragma unroll
+          for (int w = 1; w < kW; ++w) o += xch[(w - 1) * (Tr::kOBytes / 4) + i * 128 + wg_tid];
+          tOrO(i) = o;
         }
+#pragma unroll
+        for (int ci = 0; ci < kCols; ++ci) write_column(ci, out_scale[ci]);
       }
     }
     // The next item's TMA loads (async proxy) overwrite the stages read

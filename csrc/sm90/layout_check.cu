@@ -147,7 +147,7 @@ int check_swapab(const char* name) {
     check(thr.partition_A(make_identity_tensor(Shape<_64, _16>{})), t, "A");
     check(thr.partition_C(make_identity_tensor(Shape<_64, Int<kN>>{})), t, "C");
     // The O^T accumulator's m-block mb holds rows 64 mb + the same rows.
-    auto o = thr.partition_C(make_identity_tensor(Shape<_512, Int<kN>>{}));
+    auto o = thr.partition_C(make_identity_tensor(Shape<Int<Tr::kOFeatures>, Int<kN>>{}));
     for (int i = 0; i < int(size(o)); ++i) {
       const int e = i % (kN / 2), mb = i / (kN / 2);
       if ((get<0>(o(i)) != 64 * mb + accumulator_row_base(t) + 8 * ((e >> 1) & 1) || get<1>(o(i)) != accumulator_col(t, e)) &&

@@ -1,14 +1,14 @@
 // Tile configuration of the Hopper (sm_90a) swap-AB decode kernel for dense
 // FP8 caches with few query rows (decode_swapab.cuh).
 //
-// With few query rows (16 or fewer: 16 heads, or fewer heads times q_len), a
-// 64-row wgmma block (the other Hopper kernels) spends most of its tensor
-// work on zero rows, and an FP8 cache, which halves the bytes, cannot show
-// it. Here the operands are swapped so that the 64 tokens of a KV tile are
-// wgmma's M and the query rows its N (16):
+// With few query rows (32 or fewer: 16 or 32 heads, or fewer heads times
+// q_len), a 64-row wgmma block (the other Hopper kernels) spends most of its
+// tensor work on zero rows, and an FP8 cache, which halves the bytes, cannot
+// show it. Here the operands are swapped so that the 64 tokens of a KV tile
+// are wgmma's M and the query rows its N (kN: 16 or 32):
 //   S^T = K Q^T     m64nNk16 x 36 k-steps: A = the tile's keys (registers,
 //                   converted from e4m3), B = the query (shared memory, fp16);
-//   O^T += V^T P^T  8 x m64nNk16 x 4 k-steps: A = the tile's values, as
+//   O^T += V^T P^T  m64nNk16 per 64 features x 4 k-steps: A = the tile's values, as
 //                   V^T (registers, converted), B = P^T (shared memory).
 // e4m3 converts to fp16 exactly in one instruction per pair, so the products
 // run in fp16; the query is brought into fp16 range per row by a power of
@@ -27,18 +27,25 @@
 //   - O^T: thread (w, l) holds features 128 w + 16 (l / 4) + [0, 16), output
 //     row (m-block mb, half h) being feature 128 w + 16 (l / 4) + 2 mb + h,
 //     and tokens in their natural order; the epilogue writes each thread's
-//     16 features of a query row as contiguous bytes.
+//     16 features of a query row as contiguous bytes. With kN = 32 thread
+//     (w, l) of warpgroup v holds the 8 features 256 v + 64 w + 8 (l / 4) +
+//     [0, 8), row (mb, h) being 256 v + 64 w + 8 (l / 4) + 2 mb + h.
 //
-// The CTA's warpgroups work independently on interleaved tiles of an item
-// (tile t belongs to warpgroup t % kWarpgroups), each with its own running
-// max, sums and O^T; they merge at the item's end. The tiles stream through
-// a ring of kStages stages (tile t in stage t % kStages), and the warpgroup
-// that has finished tile t refills its stage with tile t + kStages, so a
-// stage needs no "empty" barrier. With an odd ring that refill is for the
-// other warpgroup, which has not waited on the stage's previous phase: a
-// parity wait cannot tell that phase from the one it wants, so the refilling
-// thread also publishes the tile it issued (sIssued) and the consumer waits
-// for it before the barrier.
+// With 16 rows or fewer (kN = 16) the CTA's warpgroups work independently
+// on interleaved tiles of an item (tile t belongs to warpgroup
+// t % kWarpgroups), each with its own running max, sums and O^T; they merge
+// at the item's end. The tiles stream through a ring of kStages stages (tile
+// t in stage t % kStages, a multiple of kWarpgroups so that every stage has
+// one owner), and the warpgroup that has finished tile t refills its stage
+// with tile t + kStages: a stage needs no "empty" barrier.
+//
+// With 17 to 32 rows (kN = 32) an O^T of all 512 features would need 128
+// accumulator registers a thread (it spills), so the warpgroups split the
+// features instead: both work on every tile, each computes the whole S^T
+// (the same values, the same softmax) and O^T for its 256 features, and each
+// writes its own half of the output. A stage is free once all eight warps
+// have read it: each warp counts itself in (s_release, shared memory) and
+// the warp that completes the count refills the stage.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -70,22 +77,27 @@ __host__ __device__ __forceinline__ int kmajor_offset(int row, int k) {
 
 // Warpgroups per CTA and KV stages of the swap-AB kernel. Three warpgroups
 // leave 168 registers a thread, and the kernel spills there (slower than
-// two, docs/perf.md); five 36 KB stages is what the shared memory holds.
+// two, docs/perf.md); four 36 KB stages read as fast as five (which needed
+// a cross-warpgroup hand-off, docs/perf.md) and leave room for the 32-row
+// query.
 constexpr int kSwapAbWarpgroups = 2;
-constexpr int kSwapAbStages = 5;
+constexpr int kSwapAbStages = 4;
 
 template <typename QType_, int kRows_, int kWarpgroups_ = kSwapAbWarpgroups, int kStages_ = kSwapAbStages>
 struct SwapAbTraits {
   using QType = QType_;          // __nv_bfloat16 or __half: query and output type
   using Elem = cute::half_t;     // MMA operand type
-  static constexpr int kN = kRows_;  // query rows per CTA (wgmma N); 16 is instantiated (32 spills)
+  static constexpr int kN = kRows_;  // query rows per CTA (wgmma N)
   static_assert(kN == 16 || kN == 32);
+  // Both warpgroups on every tile, each with half of O^T's features (above).
+  static constexpr bool kSplitO = kN == 32;
+  static constexpr int kOFeatures = kSplitO ? 256 : 512;  // O^T rows per warpgroup
   static constexpr int kDimNope = 512, kDimRope = 64, kDimQK = 576;
   static constexpr int kBlockN = 64;  // tokens per KV tile (wgmma M; the scheduler's block)
   static constexpr int kWarpgroups = kWarpgroups_;
   static constexpr int kStages = kStages_;
   static constexpr int kThreads = 128 * kWarpgroups;
-  static_assert(kStages >= kWarpgroups);
+  static_assert(kSplitO ? kWarpgroups == 2 : kStages % kWarpgroups == 0);
   static constexpr int kColsPerThread = kN / 4;  // query rows in a thread's accumulator columns
 
   // A raw FP8 stage: four 128-byte-swizzled TMA boxes of ckv (64 tokens x
@@ -108,19 +120,19 @@ struct SwapAbTraits {
   static constexpr int kPBytes = kN * kBlockN * 2;
   static constexpr int kSmemRed = kSmemP + kWarpgroups * kPBytes;     // [warpgroup][warp][kN] floats
   static constexpr int kSmemMax = kSmemRed + kWarpgroups * 4 * kN * 4;  // [warpgroup][kN] running maxima
-  static constexpr int kSmemQExp = kSmemMax + kWarpgroups * kN * 4;   // [kN] query scale exponents
-  static constexpr int kSmemFlags = kSmemQExp + kN * 4;               // bad-page flag
-  static constexpr int kSmemIssued = kSmemFlags + 16;                 // [stage] tile last issued there
-  static constexpr int kSmemBarriers = kSmemIssued + (kStages * 4 + 7) / 8 * 8;  // [stage] mbarriers
+  static constexpr int kSmemColScale = kSmemMax + kWarpgroups * kN * 4;  // [kN] per-row softmax scales
+  static constexpr int kSmemFlags = kSmemColScale + kN * 4;             // bad-page flag
+  static constexpr int kSmemRelease = kSmemFlags + 16;                // [stage] warps done (kSplitO)
+  static constexpr int kSmemBarriers = kSmemRelease + (kStages * 4 + 7) / 8 * 8;  // [stage] mbarriers
   static constexpr int kSmemBytes = kSmemBarriers + kStages * 8;
   static constexpr int kSmemAlloc = kSmemBytes + 1024;
   static_assert(kSmemQ % 1024 == 0 && kSmemKv % 1024 == 0 && kSmemP % 1024 == 0 && kStageBytes % 1024 == 0);
   static_assert(kSmemBarriers % 8 == 0);
   static_assert(kSmemAlloc <= 227 * 1024, "exceeds the sm_90 shared memory per block");
-  // The epilogue hands warpgroups 1.. 's O^T (float) to warpgroup 0 through
-  // the stages.
+  // With kN = 16 the epilogue hands warpgroups 1.. 's O^T (float) to
+  // warpgroup 0 through the stages.
   static constexpr int kOBytes = 128 * 8 * (kN / 2) * 4;
-  static_assert((kWarpgroups - 1) * kOBytes <= kStages * kStageBytes);
+  static_assert(kSplitO || (kWarpgroups - 1) * kOBytes <= kStages * kStageBytes);
 };
 
 }  // namespace sm90

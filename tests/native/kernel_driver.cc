@@ -132,7 +132,7 @@ T pick(std::mt19937_64& rng, std::initializer_list<T> xs) {
 // kernel: the kernel requested; the shape is drawn among those it serves
 // (sm90_seesaw: paged bf16/fp16 caches with page_size a multiple of 64;
 // sm90_swapab: paged e4m3 caches with page_size a multiple of 64 and at
-// most 16 query rows; sm90_lockstep: any number of query rows per request).
+// most 32 query rows; sm90_lockstep: any number of query rows per request).
 Case draw_case(std::mt19937_64& rng, const std::string& kernel) {
   Case c;
   const bool seesaw = kernel == "sm90_seesaw";
@@ -157,9 +157,9 @@ Case draw_case(std::mt19937_64& rng, const std::string& kernel) {
     c.batch = 1 + rng() % 6;
     c.q_len = pick(rng, {1, 1, 2, 3, 4});
     c.causal = rng() % 4 != 0;
-    if (swapab) {  // q_len x heads <= 16
-      c.heads = pick(rng, {1, 3, 8, 12, 16});
-      c.q_len = std::max(1, std::min(c.q_len, 16 / c.heads));
+    if (swapab) {  // q_len x heads <= 32: both of its row blocks (16, 32)
+      c.heads = pick(rng, {1, 3, 8, 12, 16, 20, 32});
+      c.q_len = std::max(1, std::min(c.q_len, 32 / c.heads));
     }
   }
   const std::string schedule = pick<const char*>(rng, {"auto", "auto", "kernel", "inline", "block"});
