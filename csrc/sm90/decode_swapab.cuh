@@ -7,7 +7,8 @@
 // CTA converts its query rows to fp16 (each row times a power of two that
 // brings its largest value just below 2^15), then warpgroup w of W takes the
 // item's tiles w, w + W, ... from the stage ring (with kN = 32 both take
-// every tile, and step 4 covers the warpgroup's 256 features):
+// every tile, step 1 covers part of the features and ends in an exchange of
+// the partial sums, step 4 covers the warpgroup's 256 features):
 //   1. S^T = K Q^T: nine 64-feature blocks, each converted from the raw
 //      stage into registers while the previous block's wgmma runs;
 //   2. column (query row) maxima over the tile's 64 tokens: lanes, then the
@@ -287,41 +288,65 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
           words(4 * jj + 3) = w3;
         }
       };
-      auto issue_s = [&](int s, auto& frag) {
+      auto issue_s = [&](int s, bool first, auto& frag) {
         Tensor tSrQ = thr.partition_fragment_B(sQ);  // (MMA, 1, 36) descriptors
         warpgroup_fence_operand(frag);
         warpgroup_arrive();
 #pragma unroll
         for (int jj = 0; jj < 4; ++jj) {
-          mma.accumulate_ = (s == 0 && jj == 0) ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
+          mma.accumulate_ = (first && jj == 0) ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
           gemm(mma, frag(_, _, jj), tSrQ(_, _, 4 * s + jj), tSrS);
         }
         warpgroup_commit_batch();
       };
-      {
+      // Blocks [first, last) into tSrS, each converted while the previous
+      // one's wgmma runs.
+      auto s_blocks = [&](auto first_c, auto last_c) __attribute__((always_inline)) {
+        constexpr int kFirst = decltype(first_c)::value, kLast = decltype(last_c)::value;
         uint4 raw[2];
         warpgroup_fence_operand(tSrS);
-        load_k(0, raw);
-        convert_k(raw, tKa);
-        issue_s(0, tKa);
-        load_k(1, raw);
-        convert_k(raw, tKb);
-        issue_s(1, tKb);
 #pragma unroll
-        for (int s = 2; s < 9; s += 2) {
+        for (int s = kFirst; s < kLast; ++s) {
           load_k(s, raw);
-          warpgroup_wait<1>();
-          convert_k(raw, tKa);
-          issue_s(s, tKa);
-          if (s + 1 < 9) {
-            load_k(s + 1, raw);
-            warpgroup_wait<1>();
+          if (s >= kFirst + 2) warpgroup_wait<1>();
+          if ((s - kFirst) % 2 == 0) {
+            convert_k(raw, tKa);
+            issue_s(s, s == kFirst, tKa);
+          } else {
             convert_k(raw, tKb);
-            issue_s(s + 1, tKb);
+            issue_s(s, s == kFirst, tKb);
           }
         }
         warpgroup_wait<0>();
         warpgroup_fence_operand(tSrS);
+      };
+      if constexpr (kSplit) {
+        // kN = 32: each warpgroup takes part of the features (blocks 0-4,
+        // 5-8) and the partial sums meet in shared memory (two buffers by
+        // tile parity, so a warpgroup a tile ahead cannot overwrite the
+        // buffer the other still reads).
+        if (wg == 0) {
+          s_blocks(std::integral_constant<int, 0>{}, std::integral_constant<int, Tr::kSBlocksWg0>{});
+        } else {
+          s_blocks(std::integral_constant<int, Tr::kSBlocksWg0>{}, std::integral_constant<int, 9>{});
+        }
+        float4* xs = reinterpret_cast<float4*>(shared + Tr::kSmemX + (t & 1) * 2 * Tr::kXBytes);
+        float4* mine = xs + wg * (Tr::kXBytes / 16);
+        const float4* theirs = xs + (1 - wg) * (Tr::kXBytes / 16);
+#pragma unroll
+        for (int k = 0; k < kOVals / 4; ++k)
+          mine[k * 128 + wg_tid] = make_float4(tSrS(4 * k), tSrS(4 * k + 1), tSrS(4 * k + 2), tSrS(4 * k + 3));
+        NamedBarrier::sync(2 * 128, kW);  // both partial S^T written (ids 0 .. kW - 1: the warpgroups')
+#pragma unroll
+        for (int k = 0; k < kOVals / 4; ++k) {
+          const float4 o = theirs[k * 128 + wg_tid];
+          tSrS(4 * k) += o.x;
+          tSrS(4 * k + 1) += o.y;
+          tSrS(4 * k + 2) += o.z;
+          tSrS(4 * k + 3) += o.w;
+        }
+      } else {
+        s_blocks(std::integral_constant<int, 0>{}, std::integral_constant<int, 9>{});
       }
 
       // 2. Column maxima (masked, scaled).

@@ -41,11 +41,13 @@
 //
 // With 17 to 32 rows (kN = 32) an O^T of all 512 features would need 128
 // accumulator registers a thread (it spills), so the warpgroups split the
-// features instead: both work on every tile, each computes the whole S^T
-// (the same values, the same softmax) and O^T for its 256 features, and each
-// writes its own half of the output. A stage is free once all eight warps
-// have read it: each warp counts itself in (s_release, shared memory) and
-// the warp that completes the count refills the stage.
+// work of every tile instead: each computes S^T over part of the features
+// (kSBlocksWg0 of the nine 64-feature blocks, or the rest), the two partial
+// sums meet in shared memory (one barrier of both warpgroups), each then
+// runs the same softmax on the same values and O^T for its 256 features,
+// and writes its own half of the output. A stage is free once all eight
+// warps have read it: each warp counts itself in (s_release, shared memory)
+// and the warp that completes the count refills the stage.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -92,6 +94,8 @@ struct SwapAbTraits {
   // Both warpgroups on every tile, each with half of O^T's features (above).
   static constexpr bool kSplitO = kN == 32;
   static constexpr int kOFeatures = kSplitO ? 256 : 512;  // O^T rows per warpgroup
+  // kN = 32: warpgroup 0 computes S^T over 64-feature blocks [0, 5), warpgroup 1 over [5, 9).
+  static constexpr int kSBlocksWg0 = 5;
   static constexpr int kDimNope = 512, kDimRope = 64, kDimQK = 576;
   static constexpr int kBlockN = 64;  // tokens per KV tile (wgmma M; the scheduler's block)
   static constexpr int kWarpgroups = kWarpgroups_;
@@ -118,7 +122,10 @@ struct SwapAbTraits {
   static constexpr int kSmemKv = kSmemQ + kN * kDimQK * 2;            // [stage]
   static constexpr int kSmemP = kSmemKv + kStages * kStageBytes;      // [warpgroup] P^T
   static constexpr int kPBytes = kN * kBlockN * 2;
-  static constexpr int kSmemRed = kSmemP + kWarpgroups * kPBytes;     // [warpgroup][warp][kN] floats
+  // kN = 32: the partial S^T sums, [tile parity][warpgroup][value / 4][thread] float4.
+  static constexpr int kXBytes = kSplitO ? 128 * (kN / 2) * 4 : 0;
+  static constexpr int kSmemX = kSmemP + kWarpgroups * kPBytes;
+  static constexpr int kSmemRed = kSmemX + 2 * 2 * kXBytes;             // [warpgroup][warp][kN] floats
   static constexpr int kSmemMax = kSmemRed + kWarpgroups * 4 * kN * 4;  // [warpgroup][kN] running maxima
   static constexpr int kSmemColScale = kSmemMax + kWarpgroups * kN * 4;  // [kN] per-row softmax scales
   static constexpr int kSmemFlags = kSmemColScale + kN * 4;             // bad-page flag
