@@ -50,7 +50,7 @@ class KernelChoice:
       blocks of 64), "sm90_seesaw" (Hopper ``wgmma`` with TMA
       loads; paged decode with ``page_size`` a multiple of 64) or
       "sm90_swapab" (Hopper ``wgmma`` with the tokens as M: a
-      ``float8_e4m3fn`` cache, ``page_size`` a multiple of 64, at most 16
+      ``float8_e4m3fn`` cache, ``page_size`` a multiple of 64, at most 32
       query rows per request).
     schedule: who computes the split-KV schedule: "auto", "kernel" (the
       scheduler kernel, before the decode), "inline" (one warp of every
