@@ -15,13 +15,14 @@
 //      warpgroup's four warps through shared memory (one barrier);
 //   3. P^T = 2^(S^T scale - max) as fp16 into shared memory, O^T rescaled
 //      (second barrier);
-//   4. O^T += V^T P^T: four 16-token k-steps of eight wgmmas each, the
-//      next step's bytes loaded while one runs (its conversion waits: a
-//      second V^T fragment does not fit the registers);
+//   4. O^T += V^T P^T: four 16-token k-steps of one wgmma per 64-feature
+//      m-block each (eight; four at kN = 32), the next step's bytes loaded
+//      while one runs (its conversion waits: a second V^T fragment does
+//      not fit the registers);
 //   5. the stage is refilled with tile t + kStages.
-// At the item's end the warpgroups merge (m, l, O^T) through shared memory
-// and warpgroup 0 writes the output (with kN = 32 each warpgroup writes its
-// features).
+// At the item's end, with kN = 16, the warpgroups merge (m, l, O^T) through
+// shared memory and warpgroup 0 writes the output; with kN = 32 each
+// warpgroup already has the (m, l) of every token and writes its features.
 #pragma once
 
 #include <cuda_fp8.h>
@@ -223,18 +224,24 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       if (lane8 == 0) sColScale[r] = ldexpf(softmax.scale_log2, -shift);
     }
     fence_smem_for_wgmma();
-    __syncthreads();  // the query and its exponents are in shared memory
+    __syncthreads();  // the query and its rows' scales are in shared memory
 
     // Per accumulator column: softmax scale (log2 domain, kv_scale and the
     // query's power of two folded in) and visible length (worked out only
     // for the tiles that need it: registers are short).
     // With kN = 32 the scales are read from shared memory at each use.
-    float col_scale[kSplit ? 1 : kCols];
+    float col_scale[kCols];
     if constexpr (!kSplit) {
 #pragma unroll
       for (int ci = 0; ci < kCols; ++ci) col_scale[ci] = sColScale[col_of(ci)];
     }
-    auto scale_of = [&](int ci) { return kSplit ? sColScale[col_of(ci)] : col_scale[kSplit ? 0 : ci]; };
+    auto scale_of = [&](int ci) {
+      if constexpr (kSplit) {
+        return sColScale[col_of(ci)];
+      } else {
+        return col_scale[ci];
+      }
+    };
     auto limit_of = [&](int ci) {
       const int col = col_of(ci);
       return col < rows ? static_cast<int>(min(visible_len(it.seq_len, p.q_len, col / p.num_heads, p.causal), tok_end))
@@ -492,8 +499,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       } else {
         pv(std::false_type{});
       }
-      // 5. The stage is free: tile t + kS (after this warpgroup's last read
-      // of it: its wgmmas, which read the converted fragments, are done).
+      // 5. The stage is free once its readers are done with it (kN = 16:
+      // this warpgroup, whose wgmmas, which read the converted fragments,
+      // are done; kN = 32: all eight warps): tile t + kS.
       if constexpr (kSplit) {
         // The eighth warp to finish the tile refills its stage. The counter
         // only grows (by 8 per tile), so it needs no reset.
@@ -629,8 +637,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         for (int ci = 0; ci < kCols; ++ci) write_column(ci, out_scale[ci]);
       }
     }
-    // The next item's TMA loads (async proxy) overwrite the stages read
-    // here, after the barrier that starts it.
+    // The next item's TMA loads (async proxy) overwrite the stages read in
+    // this item (and, at kN = 16, written by the epilogue's hand-off), after
+    // the barrier that starts it.
     fence_smem_for_wgmma();
   }
 #endif  // sm_90a
