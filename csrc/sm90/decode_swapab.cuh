@@ -4,13 +4,13 @@
 // the shared-memory plan are in swapab_traits.h.
 //
 // Per item (a request, or a piece of one, from the scheduler kernel): the
-// CTA converts its query rows to fp16 (each row times a power of two that
-// brings its largest value just below 2^15), then warpgroup w of W takes the
-// item's tiles w, w + W, ... from the stage ring (with kN = 32 both take
-// every tile, step 1 covers part of the features and ends in an exchange of
-// the partial sums, step 4 covers the warpgroup's 256 features):
-//   1. S^T = K Q^T: nine 64-feature blocks, each converted from the raw
-//      stage into registers while the previous block's wgmma runs;
+// CTA splits each query row into two e4m3 parts (after scaling the row by a
+// power of two), then warpgroup w of W takes the item's tiles w, w + W, ...
+// from the stage ring (with kN = 32 both take every tile, step 1 covers
+// half of the k-steps and ends in an exchange of the partial sums, step 4
+// covers the warpgroup's 256 features):
+//   1. S^T = K Q^T: FP8 wgmmas straight from the raw stage (18 k-steps, in
+//      groups summed in float registers);
 //   2. column (query row) maxima over the tile's 64 tokens: lanes, then the
 //      warpgroup's four warps through shared memory (one barrier);
 //   3. P^T = 2^(S^T scale - max) as fp16 into shared memory, O^T rescaled
@@ -63,6 +63,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   using namespace cute;
   using T = typename Tr::QType;
   using Elem = typename Tr::Elem;
+  using ElemS = typename Tr::ElemS;
   constexpr int kN = Tr::kN, kBlockN = Tr::kBlockN, kCols = Tr::kColsPerThread;
   constexpr int kOVals = kN / 2;  // accumulator values per thread and m-block
   constexpr bool kSplit = Tr::kSplitO;
@@ -89,24 +90,29 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   const int g = lane / 4, quad = lane % 4;  // accumulator row group, column pair
   const int rows = p.rows_per_request();
 
-  Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<Elem*>(smem + Tr::kSmemQ)), typename Tr::LayoutQ{});
+  Tensor sQn = make_tensor(make_smem_ptr(reinterpret_cast<ElemS*>(smem + Tr::kSmemQ)), typename Tr::LayoutQn{});
+  Tensor sQr = make_tensor(make_smem_ptr(reinterpret_cast<ElemS*>(smem + Tr::kSmemQRope)), typename Tr::LayoutQr{});
   Tensor sP = make_tensor(make_smem_ptr(reinterpret_cast<Elem*>(smem + Tr::kSmemP + wg * Tr::kPBytes)),
                           typename Tr::LayoutP{});
   char* const sP_shared = shared + Tr::kSmemP + wg * Tr::kPBytes;
-  auto mma = make_tiled_mma(typename Tr::Mma{});
+  auto mma = make_tiled_mma(typename Tr::MmaO{});
   auto thr = mma.get_thread_slice(wg_tid);
+  auto mma_s = make_tiled_mma(typename Tr::MmaS{});
+  auto thr_s = mma_s.get_thread_slice(wg_tid);
   Tensor tOrP = thr.partition_fragment_B(sP);  // (MMA, 1, 4)
+  Tensor tSrQn = thr_s.partition_fragment_B(sQn);  // (MMA, 1, 16) descriptors
+  Tensor tSrQr = thr_s.partition_fragment_B(sQr);  // (MMA, 1, 2)
+  // S^T of the query's e4m3 parts: element e + j kOVals (e < kOVals) is
+  // column (query row) col(e)'s part j.
+  Tensor tSacc = partition_fragment_C(mma_s, Shape<_64, Int<Tr::kNS>>{});
+  Tensor tSacc2 = partition_fragment_C(mma_s, Shape<_64, Int<Tr::kNS>>{});
   Tensor tSrS = partition_fragment_C(mma, Shape<_64, Int<kN>>{});   // S^T, this thread's part
   Tensor tOrO = partition_fragment_C(mma, Shape<Int<kOFeat>, Int<kN>>{});  // O^T: (MMA, m-blocks, 1)
-  // Register A operands: two for S^T, so one block can be filled while
-  // wgmma reads the other (a second V^T fragment spills). Only the shapes of
-  // these shared-memory views matter.
-  auto shape_k = make_tensor(make_smem_ptr(reinterpret_cast<Elem*>(smem)), make_layout(Shape<_64, _64>{}));
+  // The register A operand of O^T (only the view's shape matters).
   auto shape_v = make_tensor(make_smem_ptr(reinterpret_cast<Elem*>(smem)), make_layout(Shape<Int<kOFeat>, _16>{}));
-  Tensor tKa = thr.partition_fragment_A(shape_k);  // (MMA, 1, 4): one 64-feature block
-  Tensor tKb = thr.partition_fragment_A(shape_k);
   Tensor tVa = thr.partition_fragment_A(shape_v);  // (MMA, m-blocks, 1): one 16-token k-step
   static_assert(decltype(size(tSrS))::value == kOVals && decltype(size(tOrO))::value == kMBlocks * kOVals);
+  static_assert(decltype(size(tSacc))::value == Tr::kQTerms * kOVals && Tr::kQTerms <= 3);
 
   // Accumulator element e: token (S^T) or output-row half (O^T) 8 * ((e / 2) % 2),
   // query row col(e % 2 + 2 (e / 4)).
@@ -170,9 +176,15 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       for (int t = 0; t < kS && t < num_tiles; ++t) issue_tile(t, fetch_entry(t));
     }
 
-    // The query rows in fp16, permuted (query_k) and scaled per row by
-    // 2^shift; sColScale[row]: the softmax scale (log2 domain, kv_scale
-    // folded in) times 2^-shift. 8 threads per row, 9 chunks each.
+    // The query rows as kQTerms e4m3 parts each (part j: row j kN + r of
+    // the S^T B operand), after scaling the row by 2^shift so that its
+    // largest value is below 2^8: x 2^shift = sum_j part_j / 16^j, exactly
+    // for every value above 2^-14 of the row's largest (a bf16 value's 8
+    // significant bits in two parts of 4, an fp16 value's 11 in three; the
+    // remainder after part j, times 16, stays below 2^8).
+    // sColScale[row]: the softmax scale (log2 domain, kv_scale folded in)
+    // times 2^-shift, NaN for a row holding an infinity (its output is NaN,
+    // as e4m3 has no infinity). 8 threads per row, 9 chunks of 8 features.
     if (tid < kN * 8) {
       const int r = tid / 8, lane8 = tid % 8;
       const bool live = r < rows;
@@ -206,22 +218,41 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
       amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
       amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 4));
-      int e2 = 15;  // amax < 2^e2 (a zero or non-finite row keeps scale 1)
-      if (amax > 0.f && amax <= 3.402823466e38f) frexpf(amax, &e2);
-      const int shift = 15 - e2;
-      char* sQ_shared = shared + Tr::kSmemQ;
+      const bool finite = amax <= 3.402823466e38f;
+      int e2 = 8;  // amax < 2^e2 (a zero row keeps scale 1)
+      if (amax > 0.f && finite) frexpf(amax, &e2);
+      const int shift = min(8 - e2, 96);  // (a bf16 row's smallest normal is 2^-126)
+      // Two values to e4m3 (x in the lower byte), and back.
+      auto to_e4m3 = [](float x, float y) {
+        return static_cast<uint32_t>(__nv_cvt_float2_to_fp8x2(make_float2(x, y), __NV_SATFINITE, __NV_E4M3));
+      };
+      auto from_e4m3 = [](uint32_t v) {
+        return __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(v), __NV_E4M3)));
+      };
 #pragma unroll
       for (int n = 0; n < 9; ++n) {
         const int ch = lane8 + 8 * n;
         const uint32_t w4[4] = {raw[n].x, raw[n].y, raw[n].z, raw[n].w};
+        uint32_t part[Tr::kQTerms][2] = {};
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
           const float2 f = to_float2(w4[k]);
-          const __half2 h = __floats2half2_rn(ldexpf(f.x, shift), ldexpf(f.y, shift));
-          *reinterpret_cast<__half2*>(sQ_shared + kmajor_offset<kN>(r, query_k(8 * ch + 2 * k))) = h;
+          float x = ldexpf(f.x, shift), y = ldexpf(f.y, shift);
+#pragma unroll
+          for (int j = 0; j < Tr::kQTerms; ++j) {
+            const uint32_t h = to_e4m3(x, y);
+            part[j][k / 2] |= h << (16 * (k % 2));
+            const float2 hf = from_e4m3(h);
+            x = (x - hf.x) * 16.f;
+            y = (y - hf.y) * 16.f;
+          }
         }
+#pragma unroll
+        for (int j = 0; j < Tr::kQTerms; ++j)
+          *reinterpret_cast<uint2*>(shared + Tr::kSmemQ + query_fp8_offset<Tr::kNS>(j * kN + r, 8 * ch)) =
+              make_uint2(part[j][0], part[j][1]);
       }
-      if (lane8 == 0) sColScale[r] = ldexpf(softmax.scale_log2, -shift);
+      if (lane8 == 0) sColScale[r] = finite ? ldexpf(softmax.scale_log2, -shift) : NAN;
     }
     fence_smem_for_wgmma();
     __syncthreads();  // the query and its rows' scales are in shared memory
@@ -270,72 +301,65 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       if ((kSplit ? lane : wg_tid) == 0 && t + kS < num_tiles) next_entry = fetch_entry(t + kS);
       FullBarrier::wait(&kv_full[j], ((stage_parity >> j) ^ static_cast<uint32_t>(t / kS)) & 1u);
 
-      // 1. S^T over the nine blocks.
-      auto load_k = [&](int s, uint4 (&raw)[2]) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int tok = tok_row0 + 8 * h;  // tok % 8 == g
-          const int off = s < 8 ? (s >> 1) * Tr::kCkvBoxBytes + tok * 128 + ((((s & 1) * 4 + quad) ^ g) << 4)
-                                : Tr::kRopeOffset + tok * 64 + quad * 16;
-          raw[h] = lds128(stage + off);
-        }
-      };
-      auto convert_k = [&](const uint4 (&raw)[2], auto& frag) {
-        auto words = recast<uint32_t>(frag);  // word u of k-step jj at u + 4 jj
-        const uint32_t a[4] = {raw[0].x, raw[0].y, raw[0].z, raw[0].w};
-        const uint32_t b[4] = {raw[1].x, raw[1].y, raw[1].z, raw[1].w};
-#pragma unroll
-        for (int jj = 0; jj < 4; ++jj) {
-          uint32_t w0, w1, w2, w3;
-          e4m3x4_to_f16x2(a[jj], w0, w2);
-          e4m3x4_to_f16x2(b[jj], w1, w3);
-          words(4 * jj + 0) = w0;
-          words(4 * jj + 1) = w1;
-          words(4 * jj + 2) = w2;
-          words(4 * jj + 3) = w3;
-        }
-      };
-      auto issue_s = [&](int s, bool first, auto& frag) {
-        Tensor tSrQ = thr.partition_fragment_B(sQ);  // (MMA, 1, 36) descriptors
-        warpgroup_fence_operand(frag);
-        warpgroup_arrive();
-#pragma unroll
-        for (int jj = 0; jj < 4; ++jj) {
-          mma.accumulate_ = (first && jj == 0) ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
-          gemm(mma, frag(_, _, jj), tSrQ(_, _, 4 * s + jj), tSrS);
-        }
-        warpgroup_commit_batch();
-      };
-      // Blocks [first, last) into tSrS, each converted while the previous
-      // one's wgmma runs.
-      auto s_blocks = [&](auto first_c, auto last_c) __attribute__((always_inline)) {
+      // 1. S^T = K Q^T over k-steps [first, last) (16 of ckv, then 2 of
+      // kpe), straight from the stage. The FP8 products accumulate at less
+      // than float precision inside the tensor core, with an error that
+      // grows with the running sum, so the sum runs in groups of
+      // kSGroupSteps k-steps, each from zero, added up in float registers
+      // (the query's parts together), in two accumulators so that a
+      // group's wgmmas run while the previous group is added.
+      auto s_steps = [&](auto first_c, auto last_c) __attribute__((always_inline)) {
         constexpr int kFirst = decltype(first_c)::value, kLast = decltype(last_c)::value;
-        uint4 raw[2];
-        warpgroup_fence_operand(tSrS);
+        constexpr int kG = Tr::kSGroupSteps, kGroups = (kLast - kFirst + kG - 1) / kG;
+        Tensor sKn = make_tensor(make_smem_ptr(reinterpret_cast<const ElemS*>(stage)), typename Tr::LayoutKn{});
+        Tensor sKr = make_tensor(make_smem_ptr(reinterpret_cast<const ElemS*>(stage + Tr::kRopeOffset)),
+                                 typename Tr::LayoutKr{});
+        Tensor tSrKn = thr_s.partition_fragment_A(sKn);  // (MMA, 1, 16) descriptors
+        Tensor tSrKr = thr_s.partition_fragment_A(sKr);  // (MMA, 1, 2)
+        auto issue = [&](int grp, auto& acc) __attribute__((always_inline)) {
+          warpgroup_fence_operand(acc);
+          warpgroup_arrive();
 #pragma unroll
-        for (int s = kFirst; s < kLast; ++s) {
-          load_k(s, raw);
-          if (s >= kFirst + 2) warpgroup_wait<1>();
-          if ((s - kFirst) % 2 == 0) {
-            convert_k(raw, tKa);
-            issue_s(s, s == kFirst, tKa);
-          } else {
-            convert_k(raw, tKb);
-            issue_s(s, s == kFirst, tKb);
+          for (int k = kFirst + kG * grp; k < kFirst + kG * grp + kG && k < kLast; ++k) {
+            mma_s.accumulate_ = k == kFirst + kG * grp ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
+            if (k < 16) {
+              gemm(mma_s, tSrKn(_, _, k), tSrQn(_, _, k), acc);
+            } else {
+              gemm(mma_s, tSrKr(_, _, k - 16), tSrQr(_, _, k - 16), acc);
+            }
           }
+          warpgroup_commit_batch();
+        };
+        auto add = [&](int grp, auto& acc) __attribute__((always_inline)) {
+          warpgroup_fence_operand(acc);
+#pragma unroll
+          for (int e = 0; e < kOVals; ++e)
+          {
+            float v = acc(e);
+#pragma unroll
+            for (int j = 1; j < Tr::kQTerms; ++j) v += acc(e + j * kOVals) * (j == 1 ? 0.0625f : 0.00390625f);
+            tSrS(e) = (grp == 0 ? 0.f : tSrS(e)) + v;
+          }
+        };
+        issue(0, tSacc);
+#pragma unroll
+        for (int grp = 1; grp < kGroups; ++grp) {
+          if (grp % 2) issue(grp, tSacc2); else issue(grp, tSacc);
+          warpgroup_wait<1>();
+          if (grp % 2) add(grp - 1, tSacc); else add(grp - 1, tSacc2);
         }
         warpgroup_wait<0>();
-        warpgroup_fence_operand(tSrS);
+        if ((kGroups - 1) % 2) add(kGroups - 1, tSacc2); else add(kGroups - 1, tSacc);
       };
       if constexpr (kSplit) {
-        // kN = 32: each warpgroup takes part of the features (blocks 0-4,
-        // 5-8) and the partial sums meet in shared memory (two buffers by
-        // tile parity, so a warpgroup a tile ahead cannot overwrite the
-        // buffer the other still reads).
+        // kN = 32: each warpgroup takes half of the k-steps and the partial
+        // sums meet in shared memory (two buffers by tile parity, so a
+        // warpgroup a tile ahead cannot overwrite the buffer the other
+        // still reads).
         if (wg == 0) {
-          s_blocks(std::integral_constant<int, 0>{}, std::integral_constant<int, Tr::kSBlocksWg0>{});
+          s_steps(std::integral_constant<int, 0>{}, std::integral_constant<int, Tr::kSStepsWg0>{});
         } else {
-          s_blocks(std::integral_constant<int, Tr::kSBlocksWg0>{}, std::integral_constant<int, 9>{});
+          s_steps(std::integral_constant<int, Tr::kSStepsWg0>{}, std::integral_constant<int, Tr::kSSteps>{});
         }
         float4* xs = reinterpret_cast<float4*>(shared + Tr::kSmemX + (t & 1) * 2 * Tr::kXBytes);
         float4* mine = xs + wg * (Tr::kXBytes / 16);
@@ -353,7 +377,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
           tSrS(4 * k + 3) += o.w;
         }
       } else {
-        s_blocks(std::integral_constant<int, 0>{}, std::integral_constant<int, 9>{});
+        s_steps(std::integral_constant<int, 0>{}, std::integral_constant<int, Tr::kSSteps>{});
       }
 
       // 2. Column maxima (masked, scaled).

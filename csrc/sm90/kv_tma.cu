@@ -85,7 +85,7 @@ void make_kv_tma_fp8(const PagedDecodeParams& p, KvTma* tma) {
   if (!kv_tma_fp8_applies(p)) return;
   const int64_t rows = int64_t{p.num_pages} * p.page_size;
   if (!encode_box(&tma->ckv, p.ckv, 1, rows, 512, p.ckv_token_stride, 128, CU_TENSOR_MAP_SWIZZLE_128B)) return;
-  if (!encode_box(&tma->kpe, p.kpe, 1, rows, 64, p.kpe_token_stride, 64, CU_TENSOR_MAP_SWIZZLE_NONE)) return;
+  if (!encode_box(&tma->kpe, p.kpe, 1, rows, 64, p.kpe_token_stride, 64, CU_TENSOR_MAP_SWIZZLE_64B)) return;
   tma->enabled = 1;
 }
 

@@ -11,9 +11,10 @@
 //     accumulator_col(t, i) = 2 * (t % 4) + i % 2 + 8 * (i / 4), so
 //     elements 2k, 2k + 1 are adjacent columns of one row.
 //   - the swap-AB kernel (swapab_traits.h): kmajor_offset() is where its
-//     LayoutQ and LayoutP put each element; query_k() is a permutation of
-//     each 64-feature block; its register A operands (m64k16) and its
-//     accumulators hold, in element e of thread t, row
+//     LayoutP puts each element, query_fp8_offset() where LayoutQn and
+//     LayoutQr put the FP8 query's, and its S^T A operand layouts (LayoutKn,
+//     LayoutKr) are the TMA boxes' bytes; its register A operand (m64k16)
+//     and its accumulators hold, in element e of thread t, row
 //     accumulator_row_base(t) + 8 * ((e / 2) % 2) and column (k)
 //     accumulator_col(t, e), the mapping its conversions fill them by.
 // Exit status 0 when every check holds.
@@ -109,30 +110,48 @@ int check_swapab(const char* name) {
   using mla_jax::sm90::accumulator_row_base;
   int bad = 0;
   constexpr int kN = Tr::kN;
+  constexpr int kNS = Tr::kNS;
   alignas(1024) static typename Tr::Elem buf[kN * Tr::kDimQK];
+  alignas(1024) static typename Tr::ElemS buf8[Tr::kStageBytes > kNS * Tr::kDimQK ? Tr::kStageBytes : kNS * Tr::kDimQK];
   const char* base = reinterpret_cast<const char*>(buf);
-  auto sQ = make_tensor(make_smem_ptr(buf), typename Tr::LayoutQ{});
+  const char* base8 = reinterpret_cast<const char*>(buf8);
   auto sP = make_tensor(make_smem_ptr(buf), typename Tr::LayoutP{});
   for (int r = 0; r < kN; ++r) {
+    for (int k = 0; k < Tr::kBlockN; ++k) {
+      const long p_at = reinterpret_cast<const char*>(&sP(r, k)) - base;
+      if (p_at != mla_jax::sm90::kmajor_offset<kN>(r, k) && bad++ < 5) std::printf("%s: P(%d, %d) misplaced\n", name, r, k);
+    }
+  }
+  // The FP8 query operand (LayoutQn, then LayoutQr) is where
+  // query_fp8_offset() writes it.
+  auto sQn = make_tensor(make_smem_ptr(buf8), typename Tr::LayoutQn{});
+  auto sQr = make_tensor(make_smem_ptr(buf8 + Tr::kSmemQRope - Tr::kSmemQ), typename Tr::LayoutQr{});
+  for (int r = 0; r < kNS; ++r) {
     for (int k = 0; k < Tr::kDimQK; ++k) {
-      const long at = reinterpret_cast<const char*>(&sQ(r, k)) - base;
-      if (at != mla_jax::sm90::kmajor_offset<kN>(r, k) && bad++ < 5)
-        std::printf("%s: Q(%d, %d) at %ld, kmajor_offset says %d\n", name, r, k, at, mla_jax::sm90::kmajor_offset<kN>(r, k));
-      if (k < Tr::kBlockN) {
-        const long p_at = reinterpret_cast<const char*>(&sP(r, k)) - base;
-        if (p_at != mla_jax::sm90::kmajor_offset<kN>(r, k) && bad++ < 5) std::printf("%s: P(%d, %d) misplaced\n", name, r, k);
-      }
+      const long at = k < 512 ? reinterpret_cast<const char*>(&sQn(r, k)) - base8
+                              : reinterpret_cast<const char*>(&sQr(r, k - 512)) - base8;
+      if (at != mla_jax::sm90::query_fp8_offset<kNS>(r, k) && bad++ < 5)
+        std::printf("%s: Q(%d, %d) at %ld, query_fp8_offset says %d\n", name, r, k, at,
+                    mla_jax::sm90::query_fp8_offset<kNS>(r, k));
     }
   }
-  for (int blk = 0; blk < Tr::kDimQK / 64; ++blk) {
-    bool seen[64] = {};
-    for (int f = 64 * blk; f < 64 * blk + 64; ++f) {
-      const int k = mla_jax::sm90::query_k(f);
-      if ((k / 64 != blk || seen[k % 64]) && bad++ < 5) std::printf("%s: query_k(%d) = %d\n", name, f, k);
-      if (k / 64 == blk) seen[k % 64] = true;
+  // The stage as the S^T A operand (LayoutKn, LayoutKr) is the bytes the
+  // TMA boxes write: ckv box f / 128 with 16-byte chunk c of row r at
+  // c ^ (r % 8) (SWIZZLE_128B), the kpe box with chunk c at c ^ ((r / 2) % 4)
+  // (SWIZZLE_64B: address bits 4-5 XOR bits 7-8).
+  auto sKn = make_tensor(make_smem_ptr(buf8), typename Tr::LayoutKn{});
+  auto sKr = make_tensor(make_smem_ptr(buf8 + Tr::kRopeOffset), typename Tr::LayoutKr{});
+  for (int r = 0; r < Tr::kBlockN; ++r) {
+    for (int f = 0; f < Tr::kDimQK; ++f) {
+      const long at = f < 512 ? reinterpret_cast<const char*>(&sKn(r, f)) - base8
+                              : reinterpret_cast<const char*>(&sKr(r, f - 512)) - base8;
+      const long want = f < 512 ? (f / 128) * Tr::kCkvBoxBytes + r * 128 + ((((f / 16) % 8) ^ (r % 8)) * 16) + f % 16
+                                : Tr::kRopeOffset + r * 64 + (((((f - 512) / 16) % 4) ^ ((r / 2) % 4)) * 16) + f % 16;
+      if (at != want && bad++ < 5) std::printf("%s: K(%d, %d) at %ld, the TMA box puts it at %ld\n", name, r, f, at, want);
     }
   }
-  auto mma = make_tiled_mma(typename Tr::Mma{});
+  auto mma = make_tiled_mma(typename Tr::MmaO{});
+  auto mma_s = make_tiled_mma(typename Tr::MmaS{});
   auto check = [&](auto coords, int t, const char* which) {
     for (int e = 0; e < int(size(coords)); ++e) {
       const int row = get<0>(coords(e)), col = get<1>(coords(e));
@@ -146,6 +165,7 @@ int check_swapab(const char* name) {
     auto thr = mma.get_thread_slice(t);
     check(thr.partition_A(make_identity_tensor(Shape<_64, _16>{})), t, "A");
     check(thr.partition_C(make_identity_tensor(Shape<_64, Int<kN>>{})), t, "C");
+    check(mma_s.get_thread_slice(t).partition_C(make_identity_tensor(Shape<_64, Int<kNS>>{})), t, "S^T C");
     // The O^T accumulator's m-block mb holds rows 64 mb + the same rows.
     auto o = thr.partition_C(make_identity_tensor(Shape<Int<Tr::kOFeatures>, Int<kN>>{}));
     for (int i = 0; i < int(size(o)); ++i) {
@@ -164,5 +184,7 @@ int main() {
   bad += check_traits<mla_jax::sm90::DecodeTraits<__half>>("fp16");
   bad += check_swapab<mla_jax::sm90::SwapAbTraits<__nv_bfloat16, 16>>("swapab16");
   bad += check_swapab<mla_jax::sm90::SwapAbTraits<__nv_bfloat16, 32>>("swapab32");
+  bad += check_swapab<mla_jax::sm90::SwapAbTraits<__half, 16>>("swapab16 fp16");
+  bad += check_swapab<mla_jax::sm90::SwapAbTraits<__half, 32, 2, 3>>("swapab32 fp16");
   return bad ? 1 : 0;
 }

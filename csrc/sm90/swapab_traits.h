@@ -6,30 +6,27 @@
 // tensor work on zero rows, and an FP8 cache, which halves the bytes, cannot
 // show it. Here the operands are swapped so that the 64 tokens of a KV tile
 // are wgmma's M and the query rows its N (kN: 16 or 32):
-//   S^T = K Q^T     m64nNk16 x 36 k-steps: A = the tile's keys (registers,
-//                   converted from e4m3), B = the query (shared memory, fp16);
-//   O^T += V^T P^T  m64nNk16 per 64 features x 4 k-steps: A = the tile's values, as
-//                   V^T (registers, converted), B = P^T (shared memory).
-// e4m3 converts to fp16 exactly in one instruction per pair, so the products
-// run in fp16; the query is brought into fp16 range per row by a power of
-// two that the softmax scale undoes.
+//   S^T = K Q^T     m64n(2 kN)k32 e4m3 x 18 k-steps, both operands in shared
+//                   memory: A = the raw stage as TMA wrote it (its boxes are
+//                   the K-major swizzled layouts, LayoutKn and LayoutKr), B =
+//                   the query as two e4m3 parts per row (high: rows 0..kN-1,
+//                   low x 16: rows kN..2 kN-1; a bf16 value is their sum
+//                   exactly once the row is scaled by a power of two that
+//                   brings its largest value below 2^8, an fp16 one to 8
+//                   significant bits);
+//   O^T += V^T P^T  m64nNk16 fp16 per 64 features x 4 k-steps: A = the tile's
+//                   values, as V^T (registers, converted from e4m3, exactly,
+//                   one instruction per pair), B = P^T (shared memory).
+// No conversion is spent on S^T, and the query costs the shared memory it
+// took in fp16.
 //
-// Both A operands come straight from the raw e4m3 tile: since a product only
-// pairs A's and B's k indices, each operand's k (and A's m) may be any
-// permutation of the features, provided the other operand uses the same one.
-// The kernel picks the permutations that let a thread read its fragment with
-// 16-byte shared-memory loads:
-//   - S^T: thread (warp w, lane l) holds tokens 16 w + l / 4 (+ 8); its 16
-//     contiguous features 64 s + 16 (l % 4) + [0, 16) of 64-feature block s
-//     are the k positions {2 c, 2 c + 1, 2 c + 8, 2 c + 9} (c = l % 4) of the
-//     block's four k-steps, in that order (query_k() maps a feature to its
-//     k position; the query is stored permuted the same way);
-//   - O^T: thread (w, l) holds features 128 w + 16 (l / 4) + [0, 16), output
-//     row (m-block mb, half h) being feature 128 w + 16 (l / 4) + 2 mb + h,
-//     and tokens in their natural order; the epilogue writes each thread's
-//     16 features of a query row as contiguous bytes. With kN = 32 thread
-//     (w, l) of warpgroup v holds the 8 features 256 v + 64 w + 8 (l / 4) +
-//     [0, 8), row (mb, h) being 256 v + 64 w + 8 (l / 4) + 2 mb + h.
+// The O^T A operand is read from the raw e4m3 tile with 16-byte (kN = 32:
+// 8-byte) shared-memory loads: thread (w, l) holds features 128 w + 16 (l /
+// 4) + [0, 16), output row (m-block mb, half h) being feature 128 w + 16
+// (l / 4) + 2 mb + h, and tokens in their natural order; the epilogue writes
+// each thread's 16 features of a query row as contiguous bytes. With kN = 32
+// thread (w, l) of warpgroup v holds the 8 features 256 v + 64 w + 8 (l / 4)
+// + [0, 8), row (mb, h) being 256 v + 64 w + 8 (l / 4) + 2 mb + h.
 //
 // With 16 rows or fewer (kN = 16) the CTA's warpgroups work independently
 // on interleaved tiles of an item (tile t belongs to warpgroup
@@ -41,8 +38,8 @@
 //
 // With 17 to 32 rows (kN = 32) an O^T of all 512 features would need 128
 // accumulator registers a thread (it spills), so the warpgroups split the
-// work of every tile instead: each computes S^T over part of the features
-// (kSBlocksWg0 of the nine 64-feature blocks, or the rest), the two partial
+// work of every tile instead: each computes S^T over half of the k-steps
+// (kSStepsWg0 of the 18), the two partial
 // sums meet in shared memory (one barrier of both warpgroups), each then
 // runs the same softmax on the same values and O^T for its 256 features,
 // and writes its own half of the output. A stage is free once all eight
@@ -57,15 +54,24 @@
 #include <cute/atom/mma_traits_sm90_gmma.hpp>
 #include <cute/tensor.hpp>
 
+#include <type_traits>
+
 namespace mla_jax {
 namespace sm90 {
 
-// Position in the permuted k order of the query (and of the S^T A
-// operand) of query feature f (0..575): see the comment above.
-__host__ __device__ __forceinline__ int query_k(int f) {
-  const int block = f / 64, in = f % 64;
-  const int c = in / 16, r = in % 16, step = r / 4, e = r % 4;
-  return 64 * block + 16 * step + 2 * c + (e & 1) + 8 * (e >> 1);
+// Byte offset of element (row, k) of the FP8 query operand [kRows, 576]
+// (swapab_traits.h LayoutQn, LayoutQr: features 0..511 in the
+// 128-byte-swizzled K-major layout, 8-row x 128-byte atoms, row atoms first,
+// then 128-column blocks; the rope features 512..575 after them in the
+// 64-byte-swizzled one, 8-row x 64-byte atoms, 16-byte chunk c of row r at
+// c ^ ((r / 2) % 4)).
+template <int kRows>
+__host__ __device__ __forceinline__ int query_fp8_offset(int row, int k) {
+  if (k < 512)
+    return (k >> 7) * (kRows * 128) + (row >> 3) * 1024 + (row & 7) * 128 + ((((k >> 4) & 7) ^ (row & 7)) << 4) +
+           (k & 15);
+  k -= 512;
+  return kRows * 512 + (row >> 3) * 512 + (row & 7) * 64 + ((((k >> 4) & 3) ^ ((row >> 1) & 3)) << 4) + (k & 15);
 }
 
 // Byte offset of element (row, k) of a [rows, cols] 16-bit operand in the
@@ -80,23 +86,31 @@ __host__ __device__ __forceinline__ int kmajor_offset(int row, int k) {
 // Warpgroups per CTA and KV stages of the swap-AB kernel. Three warpgroups
 // leave 168 registers a thread, and the kernel spills there (slower than
 // two, docs/perf.md); four 36 KB stages read as fast as five (which needed
-// a cross-warpgroup hand-off, docs/perf.md) and leave room for the 32-row
-// query.
+// a cross-warpgroup hand-off, docs/perf.md) and leave room for a 32-row bf16
+// query (a 32-row fp16 one, in three parts, leaves room for three stages).
 constexpr int kSwapAbWarpgroups = 2;
 constexpr int kSwapAbStages = 4;
 
 template <typename QType_, int kRows_, int kWarpgroups_ = kSwapAbWarpgroups, int kStages_ = kSwapAbStages>
 struct SwapAbTraits {
   using QType = QType_;          // __nv_bfloat16 or __half: query and output type
-  using Elem = cute::half_t;     // MMA operand type
-  static constexpr int kN = kRows_;  // query rows per CTA (wgmma N)
+  using Elem = cute::half_t;     // O^T product operand type
+  using ElemS = cute::float_e4m3_t;  // S^T product operand type
+  static constexpr int kN = kRows_;  // query rows per CTA (O^T wgmma N)
   static_assert(kN == 16 || kN == 32);
+  // e4m3 parts per query row: a bf16 value (8 significant bits) is the sum
+  // of two, an fp16 one (11) of three.
+  static constexpr int kQTerms = std::is_same_v<QType, __half> ? 3 : 2;
+  static constexpr int kNS = kQTerms * kN;  // S^T wgmma N: part j of row r is B row j kN + r
   // Both warpgroups on every tile, each with half of O^T's features (above).
   static constexpr bool kSplitO = kN == 32;
   static constexpr int kOFeatures = kSplitO ? 256 : 512;  // O^T rows per warpgroup
-  // kN = 32: warpgroup 0 computes S^T over 64-feature blocks [0, 5), warpgroup 1 over [5, 9).
-  static constexpr int kSBlocksWg0 = 5;
   static constexpr int kDimNope = 512, kDimRope = 64, kDimQK = 576;
+  static constexpr int kSSteps = kDimQK / 32;  // S^T k-steps: 16 of ckv, then 2 of kpe
+  // kN = 32: warpgroup 0 computes S^T over k-steps [0, 9), warpgroup 1 over [9, 18).
+  static constexpr int kSStepsWg0 = kSSteps / 2;
+  // S^T's k-steps per float accumulation group (decode_swapab.cuh, step 1).
+  static constexpr int kSGroupSteps = 3;
   static constexpr int kBlockN = 64;  // tokens per KV tile (wgmma M; the scheduler's block)
   static constexpr int kWarpgroups = kWarpgroups_;
   static constexpr int kStages = kStages_;
@@ -105,21 +119,35 @@ struct SwapAbTraits {
   static constexpr int kColsPerThread = kN / 4;  // query rows in a thread's accumulator columns
 
   // A raw FP8 stage: four 128-byte-swizzled TMA boxes of ckv (64 tokens x
-  // 128 features), then the kpe box (64 tokens x 64 bytes, unswizzled).
+  // 128 features), then the kpe box (64 tokens x 64 bytes, 64-byte-swizzled).
   static constexpr int kCkvBoxBytes = 64 * 128;
   static constexpr int kRopeOffset = 4 * kCkvBoxBytes;
   static constexpr int kStageBytes = kRopeOffset + 64 * 64;
 
+  // S^T operands, both K-major e4m3 in shared memory: the stage as the
+  // wgmma A operand (the TMA boxes are these layouts) and the query as B.
+  using LayoutKn = decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<ElemS>{},
+                                                cute::Shape<cute::Int<kBlockN>, cute::Int<kDimNope>>{}));
+  using LayoutKr = decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW64_Atom<ElemS>{},
+                                                cute::Shape<cute::Int<kBlockN>, cute::Int<kDimRope>>{}));
+  using LayoutQn = decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<ElemS>{},
+                                                cute::Shape<cute::Int<kNS>, cute::Int<kDimNope>>{}));
+  using LayoutQr = decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW64_Atom<ElemS>{},
+                                                cute::Shape<cute::Int<kNS>, cute::Int<kDimRope>>{}));
+  using MmaS = decltype(cute::SM90::GMMA::ss_op_selector<ElemS, ElemS, float,
+                                                         cute::Shape<cute::_64, cute::Int<kNS>, cute::_32>,
+                                                         cute::GMMA::Major::K, cute::GMMA::Major::K>());
+  // O^T: P^T (fp16, B) in shared memory.
   using AtomK = cute::GMMA::Layout_K_SW128_Atom<Elem>;
-  using LayoutQ = decltype(cute::tile_to_shape(AtomK{}, cute::Shape<cute::Int<kN>, cute::Int<kDimQK>>{}));
   using LayoutP = decltype(cute::tile_to_shape(AtomK{}, cute::Shape<cute::Int<kN>, cute::Int<kBlockN>>{}));
-  using Mma = decltype(cute::SM90::GMMA::rs_op_selector<Elem, Elem, float,
-                                                        cute::Shape<cute::_64, cute::Int<kN>, cute::_16>,
-                                                        cute::GMMA::Major::K, cute::GMMA::Major::K>());
+  using MmaO = decltype(cute::SM90::GMMA::rs_op_selector<Elem, Elem, float,
+                                                         cute::Shape<cute::_64, cute::Int<kN>, cute::_16>,
+                                                         cute::GMMA::Major::K, cute::GMMA::Major::K>());
 
   // Shared memory, from a 1024-byte aligned base.
-  static constexpr int kSmemQ = 0;
-  static constexpr int kSmemKv = kSmemQ + kN * kDimQK * 2;            // [stage]
+  static constexpr int kSmemQ = 0;                                    // LayoutQn, then LayoutQr
+  static constexpr int kSmemQRope = kSmemQ + kNS * kDimNope;
+  static constexpr int kSmemKv = kSmemQRope + kNS * kDimRope;         // [stage]
   static constexpr int kSmemP = kSmemKv + kStages * kStageBytes;      // [warpgroup] P^T
   static constexpr int kPBytes = kN * kBlockN * 2;
   // kN = 32: the partial S^T sums, [tile parity][warpgroup][value / 4][thread] float4.
@@ -133,6 +161,7 @@ struct SwapAbTraits {
   static constexpr int kSmemBarriers = kSmemRelease + (kStages * 4 + 7) / 8 * 8;  // [stage] mbarriers
   static constexpr int kSmemBytes = kSmemBarriers + kStages * 8;
   static constexpr int kSmemAlloc = kSmemBytes + 1024;
+  static_assert(kSmemQRope % 512 == 0 && kRopeOffset % 512 == 0);
   static_assert(kSmemQ % 1024 == 0 && kSmemKv % 1024 == 0 && kSmemP % 1024 == 0 && kStageBytes % 1024 == 0);
   static_assert(kSmemBarriers % 8 == 0);
   static_assert(kSmemAlloc <= 227 * 1024, "exceeds the sm_90 shared memory per block");
