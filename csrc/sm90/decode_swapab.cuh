@@ -4,11 +4,11 @@
 // the shared-memory plan are in swapab_traits.h.
 //
 // Per item (a request, or a piece of one, from the scheduler kernel): the
-// CTA splits each query row into two e4m3 parts (after scaling the row by a
-// power of two), then warpgroup w of W takes the item's tiles w, w + W, ...
-// from the stage ring (with kN = 32 both take every tile, step 1 covers
-// half of the k-steps and ends in an exchange of the partial sums, step 4
-// covers the warpgroup's 256 features):
+// CTA splits each query row into e4m3 parts (two for bf16, three for fp16,
+// after scaling the row by a power of two), then warpgroup w of W takes the
+// item's tiles w, w + W, ... from the stage ring (with kN = 32 both take
+// every tile, step 1 covers half of the k-steps and ends in an exchange of
+// the partial sums, step 4 covers the warpgroup's 256 features):
 //   1. S^T = K Q^T: FP8 wgmmas straight from the raw stage (18 k-steps, in
 //      groups summed in float registers);
 //   2. column (query row) maxima over the tile's 64 tokens: lanes, then the

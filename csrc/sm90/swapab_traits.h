@@ -6,14 +6,16 @@
 // tensor work on zero rows, and an FP8 cache, which halves the bytes, cannot
 // show it. Here the operands are swapped so that the 64 tokens of a KV tile
 // are wgmma's M and the query rows its N (kN: 16 or 32):
-//   S^T = K Q^T     m64n(2 kN)k32 e4m3 x 18 k-steps, both operands in shared
+//   S^T = K Q^T     m64n(q kN)k32 e4m3 x 18 k-steps, both operands in shared
 //                   memory: A = the raw stage as TMA wrote it (its boxes are
 //                   the K-major swizzled layouts, LayoutKn and LayoutKr), B =
-//                   the query as two e4m3 parts per row (high: rows 0..kN-1,
-//                   low x 16: rows kN..2 kN-1; a bf16 value is their sum
-//                   exactly once the row is scaled by a power of two that
-//                   brings its largest value below 2^8, an fp16 one to 8
-//                   significant bits);
+//                   the query as q = kQTerms e4m3 parts per row (part j in
+//                   rows j kN .. j kN + kN - 1, weight 16^-j; after the row is
+//                   scaled by a power of two that brings its largest value
+//                   below 2^8, two parts hold a bf16 value exactly, three an
+//                   fp16 one); the sum runs in groups of kSGroupSteps k-steps
+//                   added in float registers, as the tensor core accumulates
+//                   FP8 products at less than float precision;
 //   O^T += V^T P^T  m64nNk16 fp16 per 64 features x 4 k-steps: A = the tile's
 //                   values, as V^T (registers, converted from e4m3, exactly,
 //                   one instruction per pair), B = P^T (shared memory).
