@@ -12,8 +12,8 @@
 #
 # Environment: MLA_JAX_CUDA_ARCHS (default 90a here: H100/H200), PYTHON
 # (default python3), PYTEST_ARGS (extra pytest arguments), PYTEST_JOBS (test
-# files run at once, one pytest each, sharing the GPU; default 1: one pytest
-# over tests/, as CI runs it), SKIP_BUILD=1 (test the installed build, e.g. on
+# files run at once, one pytest each, test_cuda_kernel.py as two, sharing the
+# GPU; default 1: one pytest over tests/, as CI runs it), SKIP_BUILD=1 (test the installed build, e.g. on
 # a machine still warm from an earlier call). After a build by
 # this script, the long randomized run on the GPU alone is
 #   python3 -m pytest -q tests/test_differential.py -k "random_cases and cuda" --differential-cases 3000
@@ -70,21 +70,33 @@ if [ "$JOBS" -le 1 ]; then
   summary=$(tail -n 1 "$log_file")
 else
   # One pytest per test file, JOBS at a time, the slow GPU-heavy files
-  # first so that they do not start last; each file's log goes to
-  # /tmp/mla_jax_pytest_parts/<file>.log, all of them into pytest.log (one
-  # file: the device tool brings back few).
+  # first so that they do not start last; test_cuda_kernel.py, the longest,
+  # in two shards (-k fp8 and -k "not fp8") so that no single part holds
+  # the run back. Each part's log goes to /tmp/mla_jax_pytest_parts/<part>.log,
+  # all of them into pytest.log (one file: the device tool brings back few).
   parts=/tmp/mla_jax_pytest_parts
   rm -rf "$parts" && mkdir -p "$parts"
   first="test_cuda_kernel test_differential test_sparse_decode test_serving test_context_parallel test_fp8"
   files=$(for f in $first; do echo "tests/$f.py"; done; ls tests/test_*.py | grep -v -E "$(echo $first | tr ' ' '|')")
-  # shellcheck disable=SC2086
-  printf '%s\n' $files | xargs -P "$JOBS" -I{} sh -c \
-    'f={}; n=$(basename "$f" .py); '"$PY"' -m pytest -q -p no:cacheprovider "$f" '"${PYTEST_ARGS:-}"' \
-       > "'"$parts"'/$n.log" 2>&1; echo "$? $n" >> "'"$parts"'/rc"'
+  # Lines "FILE|NAME|KEXPR" (KEXPR empty: the whole file).
+  jobs=$(for f in $files; do
+           n=$(basename "$f" .py)
+           if [ "$n" = test_cuda_kernel ]; then echo "$f|$n.fp8|fp8"; echo "$f|$n.other|not fp8"
+           else echo "$f|$n|"; fi
+         done)
+  export PY parts PYTEST_ARGS
+  printf '%s\n' "$jobs" | xargs -P "$JOBS" -I{} bash -c \
+    'IFS="|" read -r f n k <<< "{}"; sel=(); [ -n "$k" ] && sel=(-k "$k")
+     # shellcheck disable=SC2086
+     "$PY" -m pytest -q -p no:cacheprovider "$f" "${sel[@]}" ${PYTEST_ARGS:-} > "$parts/$n.log" 2>&1
+     echo "$? $n" >> "$parts/rc"'
   cat "$parts"/test_*.log > "$log_file"
   awk '$1 != 0 && $1 != 5 {bad = 1} END {exit bad}' "$parts/rc" || rc=1
-  # "N passed, M skipped ..." per file, summed
-  summary=$(for f in "$parts"/test_*.log; do tail -n 1 "$f"; done |
+  # "N passed, M skipped ..." per file, summed (a shard's deselected tests
+  # are the other shard's)
+  summary=$(for f in "$parts"/test_*.log; do
+              case $f in *.fp8.log|*.other.log) tail -n 1 "$f" | sed -E 's/[0-9]+ deselected//' ;; *) tail -n 1 "$f" ;; esac
+            done |
             awk '{for (i = 2; i <= NF; i++) if ($i ~ /^(passed|failed|skipped|errors?|deselected)/) {
                     k = $i; sub(/[,;]$/, "", k); n[k] += $(i - 1) } }
                  END {for (k in n) printf "%d %s, ", n[k], k; print ""}')

@@ -29,7 +29,7 @@ cudaError_t run_decode_fp16(const PagedDecodeParams& params, const DecodeWorkspa
 cudaError_t run_decode_fp8(const PagedDecodeParams& params, const DecodeWorkspace& ws,
                            const SplitSchedule& schedule, cudaStream_t stream);
 // Swap-AB kernel (decode_swapab.cuh): float8_e4m3fn cache with one
-// kv_scale, paged with page_size a multiple of 64 (TMA), at most 16 query
+// kv_scale, paged with page_size a multiple of 64 (TMA), at most 32 query
 // rows per request; cudaErrorNotSupported otherwise.
 cudaError_t run_decode_fp8_swapab(const PagedDecodeParams& params, const DecodeWorkspace& ws,
                                   const SplitSchedule& schedule, cudaStream_t stream);

@@ -1,7 +1,7 @@
 // Kernel body of the Hopper (sm_90a) swap-AB decode: dense e4m3 caches
 // (one kv_scale) whose pages TMA can load tile by tile, 32 query rows per
-// request or fewer. The tile configuration, the operand permutations and
-// the shared-memory plan are in swapab_traits.h.
+// request or fewer. The tile configuration, the operands' layouts (the
+// O^T one permuted) and the shared-memory plan are in swapab_traits.h.
 //
 // Per item (a request, or a piece of one, from the scheduler kernel): the
 // CTA splits each query row into e4m3 parts (two for bf16, three for fp16,
@@ -100,8 +100,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   auto mma_s = make_tiled_mma(typename Tr::MmaS{});
   auto thr_s = mma_s.get_thread_slice(wg_tid);
   Tensor tOrP = thr.partition_fragment_B(sP);  // (MMA, 1, 4)
-  Tensor tSrQn = thr_s.partition_fragment_B(sQn);  // (MMA, 1, 16) descriptors
-  Tensor tSrQr = thr_s.partition_fragment_B(sQr);  // (MMA, 1, 2)
+  // (MMA, n, 16) and (MMA, n, 2) descriptors: n = 3 for N = 48 (three
+  // m64n16k32 instructions, swapab_traits.h), else 1.
+  Tensor tSrQn = thr_s.partition_fragment_B(sQn);
+  Tensor tSrQr = thr_s.partition_fragment_B(sQr);
   // S^T of the query's e4m3 parts: element e + j kOVals (e < kOVals) is
   // column (query row) col(e)'s part j.
   Tensor tSacc = partition_fragment_C(mma_s, Shape<_64, Int<Tr::kNS>>{});
@@ -179,9 +181,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     // The query rows as kQTerms e4m3 parts each (part j: row j kN + r of
     // the S^T B operand), after scaling the row by 2^shift so that its
     // largest value is below 2^8: x 2^shift = sum_j part_j / 16^j, exactly
-    // for every value above 2^-14 of the row's largest (a bf16 value's 8
-    // significant bits in two parts of 4, an fp16 value's 11 in three; the
-    // remainder after part j, times 16, stays below 2^8).
+    // for every value above 2^-13 (bf16) or 2^-14 (fp16) of the row's
+    // largest (a bf16 value's 8 significant bits in two parts of 4, an fp16
+    // value's 11 in three; the remainder after part j, times 16, stays below
+    // 2^8).
     // sColScale[row]: the softmax scale (log2 domain, kv_scale folded in)
     // times 2^-shift, NaN for a row holding an infinity (its output is NaN,
     // as e4m3 has no infinity). 8 threads per row, 9 chunks of 8 features.
@@ -221,7 +224,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       const bool finite = amax <= 3.402823466e38f;
       int e2 = 8;  // amax < 2^e2 (a zero row keeps scale 1)
       if (amax > 0.f && finite) frexpf(amax, &e2);
-      const int shift = min(8 - e2, 96);  // (a bf16 row's smallest normal is 2^-126)
+      // The cap keeps scale_log2 * 2^-shift a normal float; a row whose
+      // largest value is below 2^-88 keeps fewer exact bits (its scores are
+      // about 0 anyway).
+      const int shift = min(8 - e2, 96);
       // Two values to e4m3 (x in the lower byte), and back.
       auto to_e4m3 = [](float x, float y) {
         return static_cast<uint32_t>(__nv_cvt_float2_to_fp8x2(make_float2(x, y), __NV_SATFINITE, __NV_E4M3));
@@ -524,7 +530,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         pv(std::false_type{});
       }
       // 5. The stage is free once its readers are done with it (kN = 16:
-      // this warpgroup, whose wgmmas, which read the converted fragments,
+      // this warpgroup, whose S^T wgmmas (reading the stage) and V^T loads
       // are done; kN = 32: all eight warps): tile t + kS.
       if constexpr (kSplit) {
         // The eighth warp to finish the tile refills its stage. The counter

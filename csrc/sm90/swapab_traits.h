@@ -19,8 +19,12 @@
 //   O^T += V^T P^T  m64nNk16 fp16 per 64 features x 4 k-steps: A = the tile's
 //                   values, as V^T (registers, converted from e4m3, exactly,
 //                   one instruction per pair), B = P^T (shared memory).
-// No conversion is spent on S^T, and the query costs the shared memory it
-// took in fp16.
+// No conversion is spent on S^T; a bf16 query's two parts take the shared
+// memory it took in fp16, an fp16 query's three half as much again.
+// Without CuTe's extended wgmma shapes (CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED,
+// not defined here) N = 48 (fp16 query, kN = 16) has no single
+// instruction: CuTe issues three m64n16k32 per k-step, each reading the A
+// tile again; N = 32, 64 and 96 are single instructions.
 //
 // The O^T A operand is read from the raw e4m3 tile with 16-byte (kN = 32:
 // 8-byte) shared-memory loads: thread (w, l) holds features 128 w + 16 (l /
