@@ -85,8 +85,11 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   uint64_t* kv_full = reinterpret_cast<uint64_t*>(shared + Tr::kSmemBarriers);
 
   const int tid = threadIdx.x;
-  const int wg = tid / 128, wg_tid = tid % 128;
-  const int warp = wg_tid / 32, lane = tid % 32;
+  // The warpgroup and warp indices through a broadcast from lane 0, which
+  // the compiler treats as warp-uniform: the addresses and wgmma
+  // descriptors derived from them can then live in uniform registers.
+  const int wg = __shfl_sync(0xffffffffu, tid / 128, 0), wg_tid = tid % 128;
+  const int warp = __shfl_sync(0xffffffffu, wg_tid / 32, 0), lane = tid % 32;
   const int g = lane / 4, quad = lane % 4;  // accumulator row group, column pair
   const int rows = p.rows_per_request();
 
@@ -125,10 +128,14 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   const SoftmaxScale softmax = softmax_scale(p);
 
   constexpr int kW = Tr::kWarpgroups, kS = Tr::kStages;
+  // Arrivals per stage phase: with kN = 16 each of the owner's four warps
+  // refills the ckv box it alone reads (warp 0 also the kpe box); with
+  // kN = 32 one warp refills the whole stage.
+  constexpr int kArrivals = kSplit ? 1 : 4;
   if (tid == 0) {
 #pragma unroll
     for (int i = 0; i < kS; ++i) {
-      FullBarrier::init(&kv_full[i], 1);
+      FullBarrier::init(&kv_full[i], kArrivals);
       s_release[i] = 0;
     }
     cutlass::arch::fence_barrier_init();
@@ -155,8 +162,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       smxx::div_page(p, tok, page, slot);
       return table[page];
     };
-    // Tile t into stage t % kS.
-    auto issue_tile = [&](int t, int entry) {
+    // ckv boxes [box0, box0 + nbox) of tile t, and its kpe box if with_kpe,
+    // into stage t % kS: one arrival on the stage's barrier.
+    auto issue_boxes = [&](int t, int entry, int box0, int nbox, bool with_kpe) {
       uint64_t* bar = &kv_full[t % kS];
       char* dst = smem + Tr::kSmemKv + (t % kS) * Tr::kStageBytes;
       if (entry < 0 || entry >= p.num_pages) {
@@ -168,14 +176,21 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       smxx::div_page(p, (tile_begin + t) * kBlockN, page, slot);
       const int row = entry * p.page_size + slot;
       const uint64_t hint = static_cast<uint64_t>(cute::TMA::CacheHintSm90::EVICT_FIRST);
-      FullBarrier::arrive_and_expect_tx(bar, Tr::kStageBytes);
-#pragma unroll
-      for (int box = 0; box < 4; ++box)
+      FullBarrier::arrive_and_expect_tx(bar, nbox * Tr::kCkvBoxBytes + (with_kpe ? Tr::kStageBytes - Tr::kRopeOffset : 0));
+      for (int box = box0; box < box0 + nbox; ++box)
         cute::SM90_TMA_LOAD_2D::copy(&tma.ckv, bar, hint, dst + box * Tr::kCkvBoxBytes, box * 128, row);
-      cute::SM90_TMA_LOAD_2D::copy(&tma.kpe, bar, hint, dst + Tr::kRopeOffset, 0, row);
+      if (with_kpe) cute::SM90_TMA_LOAD_2D::copy(&tma.kpe, bar, hint, dst + Tr::kRopeOffset, 0, row);
     };
     if (tid == 0) {
-      for (int t = 0; t < kS && t < num_tiles; ++t) issue_tile(t, fetch_entry(t));
+      for (int t = 0; t < kS && t < num_tiles; ++t) {
+        const int entry = fetch_entry(t);
+        if constexpr (kSplit) {
+          issue_boxes(t, entry, 0, 4, true);
+        } else {
+#pragma unroll
+          for (int w = 0; w < 4; ++w) issue_boxes(t, entry, w, 1, w == 0);
+        }
+      }
     }
 
     // The query rows as kQTerms e4m3 parts each (part j: row j kN + r of
@@ -304,7 +319,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       const char* stage = shared + Tr::kSmemKv + j * Tr::kStageBytes;
       // The refill's page, looked up early by whoever may issue it.
       int next_entry = 0;
-      if ((kSplit ? lane : wg_tid) == 0 && t + kS < num_tiles) next_entry = fetch_entry(t + kS);
+      if (lane == 0 && t + kS < num_tiles) next_entry = fetch_entry(t + kS);
       FullBarrier::wait(&kv_full[j], ((stage_parity >> j) ^ static_cast<uint32_t>(t / kS)) & 1u);
 
       // 1. S^T = K Q^T over k-steps [first, last) (16 of ckv, then 2 of
@@ -485,41 +500,53 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
           }
         }
       };
-      auto convert_v = [&](const VRaw& x, auto& frag) {
+      // Words of m-blocks 2q and 2q + 1 of the V^T fragment from the raw
+      // bytes' word q: bytes (token a, token a + 1) of features 4q + {0, 1}
+      // and 4q + {2, 3}.
+      auto convert_pair = [&](const VRaw& x, int q, auto& frag) __attribute__((always_inline)) {
         auto words = recast<uint32_t>(frag);  // word u of m-block mb at u + 4 mb
+        const uint32_t lo01 = __byte_perm(x[0][q], x[1][q], 0x5140), hi01 = __byte_perm(x[0][q], x[1][q], 0x7362);
+        const uint32_t lo23 = __byte_perm(x[2][q], x[3][q], 0x5140), hi23 = __byte_perm(x[2][q], x[3][q], 0x7362);
+        uint32_t w[8];
+        e4m3x4_to_f16x2(lo01, w[0], w[1]);
+        e4m3x4_to_f16x2(lo23, w[2], w[3]);
+        e4m3x4_to_f16x2(hi01, w[4], w[5]);
+        e4m3x4_to_f16x2(hi23, w[6], w[7]);
 #pragma unroll
-        for (int q = 0; q < kVWords; ++q) {
-          // Bytes (token a, token a + 1) of features 4q + {0, 1} and 4q + {2, 3}.
-          const uint32_t lo01 = __byte_perm(x[0][q], x[1][q], 0x5140), hi01 = __byte_perm(x[0][q], x[1][q], 0x7362);
-          const uint32_t lo23 = __byte_perm(x[2][q], x[3][q], 0x5140), hi23 = __byte_perm(x[2][q], x[3][q], 0x7362);
-          uint32_t w[8];
-          e4m3x4_to_f16x2(lo01, w[0], w[1]);
-          e4m3x4_to_f16x2(lo23, w[2], w[3]);
-          e4m3x4_to_f16x2(hi01, w[4], w[5]);
-          e4m3x4_to_f16x2(hi23, w[6], w[7]);
-#pragma unroll
-          for (int u = 0; u < 8; ++u) words(4 * (2 * q + u / 4) + u % 4) = w[u];
-        }
+        for (int u = 0; u < 8; ++u) words(4 * (2 * q + u / 4) + u % 4) = w[u];
       };
-      auto issue_pv = [&](int js, auto& frag) {
-        warpgroup_fence_operand(frag);
-        warpgroup_arrive();
-        mma.accumulate_ = GMMA::ScaleOut::One;
-        gemm(mma, frag(_, _, 0), tOrP(_, _, js), tOrO);
-        warpgroup_commit_batch();
-      };
+      // One commit group per m-block pair and k-step, so that a pair's
+      // registers are converted for the next k-step while the other pairs'
+      // products run: before writing pair q of k-step js, wait until at
+      // most kVWords - 1 groups are pending, i.e. pair q of k-step js - 1
+      // is done with its registers (groups complete in order).
       auto pv = [&](auto tail) __attribute__((always_inline)) {
         VRaw raw;
         warpgroup_fence_operand(tOrO);
         load_v(0, raw, tail);
-        convert_v(raw, tVa);
-        issue_pv(0, tVa);
+        mma.accumulate_ = GMMA::ScaleOut::One;
 #pragma unroll
-        for (int js = 1; js < 4; ++js) {
-          load_v(js, raw, tail);
-          warpgroup_wait<0>();
-          convert_v(raw, tVa);
-          issue_pv(js, tVa);
+        for (int js = 0; js < 4; ++js) {
+#pragma unroll
+          for (int q = 0; q < kVWords; ++q) {
+            if (js > 0) warpgroup_wait<kVWords - 1>();
+            convert_pair(raw, q, tVa);
+            // The raw words are all converted: load the next k-step's.
+            if (q == kVWords - 1 && js < 3) load_v(js + 1, raw, tail);
+            // kN = 16: this warp has read its box for the last time (the
+            // S^T wgmmas, which read every box, are done): step 5 for it.
+            if constexpr (!kSplit) {
+              if (q == kVWords - 1 && js == 3) {
+                __syncwarp();
+                if (lane == 0 && t + kS < num_tiles) issue_boxes(t + kS, next_entry, warp, 1, warp == 0);
+              }
+            }
+            warpgroup_fence_operand(tVa);
+            warpgroup_arrive();
+#pragma unroll
+            for (int h = 0; h < 2; ++h) gemm(mma, tVa(_, 2 * q + h, 0), tOrP(_, 0, js), tOrO(_, 2 * q + h, 0));
+            warpgroup_commit_batch();
+          }
         }
         warpgroup_wait<0>();
         warpgroup_fence_operand(tOrO);
@@ -529,9 +556,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       } else {
         pv(std::false_type{});
       }
-      // 5. The stage is free once its readers are done with it (kN = 16:
-      // this warpgroup, whose S^T wgmmas (reading the stage) and V^T loads
-      // are done; kN = 32: all eight warps): tile t + kS.
+      // 5. The stage is free once its readers are done with it: tile t + kS
+      // (kN = 16: each warp refills its box in step 4; kN = 32: once all
+      // eight warps are done).
       if constexpr (kSplit) {
         // The eighth warp to finish the tile refills its stage. The counter
         // only grows (by 8 per tile), so it needs no reset.
@@ -541,11 +568,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
           const int done = atomicAdd(&s_release[j], 1);
           if ((done & 7) == 7 && t + kS < num_tiles) {
             __threadfence_block();  // the other warps' reads before the refill
-            issue_tile(t + kS, next_entry);
+            issue_boxes(t + kS, next_entry, 0, 4, true);
           }
         }
-      } else {
-        if (wg_tid == 0 && t + kS < num_tiles) issue_tile(t + kS, next_entry);
       }
     }
 #pragma unroll
