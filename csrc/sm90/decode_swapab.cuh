@@ -16,10 +16,10 @@
 //   3. P^T = 2^(S^T scale - max) as fp16 into shared memory, O^T rescaled
 //      (second barrier);
 //   4. O^T += V^T P^T: four 16-token k-steps of one wgmma per 64-feature
-//      m-block each (eight; four at kN = 32), the next step's bytes loaded
-//      while one runs (its conversion waits: a second V^T fragment does
-//      not fit the registers);
-//   5. the stage is refilled with tile t + kStages.
+//      m-block each (eight; four at kN = 32), issued by pairs of m-blocks,
+//      each pair's V^T converted as soon as its previous product is done;
+//   5. the stage is refilled with tile t + kStages (kN = 16: each warp
+//      refills its own ckv box as soon as it has read it, inside step 4).
 // At the item's end, with kN = 16, the warpgroups merge (m, l, O^T) through
 // shared memory and warpgroup 0 writes the output; with kN = 32 each
 // warpgroup already has the (m, l) of every token and writes its features.

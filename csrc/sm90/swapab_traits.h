@@ -39,8 +39,10 @@
 // t % kWarpgroups), each with its own running max, sums and O^T; they merge
 // at the item's end. The tiles stream through a ring of kStages stages (tile
 // t in stage t % kStages, a multiple of kWarpgroups so that every stage has
-// one owner), and the warpgroup that has finished tile t refills its stage
-// with tile t + kStages: a stage needs no "empty" barrier.
+// one owner), and the owner refills the stage with tile t + kStages once it
+// has read tile t (each warp the ckv box that only it reads for V^T, warp 0
+// also the kpe box; the stage's barrier takes four arrivals): a stage needs
+// no "empty" barrier.
 //
 // With 17 to 32 rows (kN = 32) an O^T of all 512 features would need 128
 // accumulator registers a thread (it spills), so the warpgroups split the
