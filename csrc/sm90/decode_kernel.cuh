@@ -74,7 +74,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   const bool use_tma = !Tr::kConvert && tma.enabled != 0;  // FP8 rows are gathered and converted
 
   const int tid = threadIdx.x;
-  const int wg = tid / 128, wg_tid = tid % 128;
+  // Broadcast from lane 0, so that the compiler treats the warpgroup index
+  // as warp-uniform (uniform registers for what derives from it).
+  const int wg = __shfl_sync(0xffffffffu, tid / 128, 0), wg_tid = tid % 128;
   const int lane = tid % 32;
   const int copy_lane = tid % Tr::kThreadsPerRow;
   const int kv_copy_row = wg_tid / Tr::kThreadsPerRow;   // KV rows: per warpgroup

@@ -75,7 +75,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   uint64_t* kv_full = reinterpret_cast<uint64_t*>(smem_raw + smem_pad + Tr::kSmemBarriers);
 
   const int tid = threadIdx.x;
-  const int wg = tid / 128, wg_tid = tid % 128;
+  // Broadcast from lane 0, so that the compiler treats the warpgroup index
+  // as warp-uniform (uniform registers for what derives from it).
+  const int wg = __shfl_sync(0xffffffffu, tid / 128, 0), wg_tid = tid % 128;
   const int lane = tid % 32;
 
   Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<Elem*>(sQ_bytes)), typename Tr::LayoutQK{});
