@@ -354,8 +354,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         auto add = [&](int grp, auto& acc) __attribute__((always_inline)) {
           warpgroup_fence_operand(acc);
 #pragma unroll
-          for (int e = 0; e < kOVals; ++e)
-          {
+          for (int e = 0; e < kOVals; ++e) {
             float v = acc(e);
 #pragma unroll
             for (int j = 1; j < Tr::kQTerms; ++j) v += acc(e + j * kOVals) * (j == 1 ? 0.0625f : 0.00390625f);
