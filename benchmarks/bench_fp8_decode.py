@@ -72,7 +72,7 @@ def bench_row(b, q, h, seq, args, ceilings):
   rec = dict(b=b, q_len=q, h=h, seq=seq, kv_scale=KV_SCALE, n_lo=n_lo, n_hi=n_hi, reps=reps, cache_copies=rot)
   sel = np.arange(min(2, b))
   live = -(-seq // PAGE_SIZE)
-  for variant in ("fp8", "bf16", args.compare):
+  for variant in [v for v in ("fp8", "bf16", args.compare) if v in args.variants]:
     cache = bf16 if variant == "bf16" else fp8
     caches = [cache] + [jnp.array(cache, copy=True) for _ in range(rot - 1)]
     kernel = args.compare if variant == args.compare else "auto"
@@ -110,7 +110,7 @@ def bench_row(b, q, h, seq, args, ceilings):
       r = dict(error=f"{type(e).__name__}: {e}"[:400], ok=False)
     rec[variant] = r
     del caches
-  f, bf, pt = rec["fp8"], rec["bf16"], rec[args.compare]
+  f, bf, pt = (rec.get(v, {}) for v in ("fp8", "bf16", args.compare))
   rec.update(kind="dense_fp8", mla_jax_us=f.get("us"), mla_jax_gpu_us=f.get("gpu_us"), bf16_us=bf.get("us"))
   rec[f"{args.compare}_us"] = pt.get("us")
   if "us" in f and "us" in bf:
@@ -128,9 +128,16 @@ def main(argv=None):
   ap.add_argument("--rows", default="", help="comma list of row indices")
   ap.add_argument("--compare", default="portable",
                   help="kernel forced on the FP8 cache for the third variant (default portable)")
+  ap.add_argument("--variants", default=None,
+                  help="comma list of the variants to time among fp8, bf16 and the --compare kernel (default all; "
+                       "fp8 alone times a build against another)")
   ap.add_argument("--smoke", action="store_true", help="tiny shapes: a CPU check of the script")
   ap.add_argument("--no-device-time", action="store_true")
   args = ap.parse_args(argv)
+  args.variants = ["fp8", "bf16", args.compare] if args.variants is None else args.variants.split(",")
+  bad = [v for v in args.variants if v not in ("fp8", "bf16", args.compare)]
+  if bad:
+    ap.error(f"--variants: {bad} is none of fp8, bf16, {args.compare}")
   # torch (FlashMLA, the copy ceiling) shares the GPU: JAX must not take 75 % of it up front.
   os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
   import jax
@@ -166,14 +173,14 @@ def main(argv=None):
         f"{'bf16 us':>8} {'bf16/fp8':>8} | {args.compare[:8]:>8} {'/fp8':>8} | relerr fp8")
   ok = True
   for r in rows:
-    f, bf, pt = r["fp8"], r["bf16"], r[args.compare]
-    ok &= all(v.get("ok", False) for v in (f, bf, pt))
+    f, bf, pt = (r.get(v, {}) for v in ("fp8", "bf16", args.compare))
+    ok &= all(r[v].get("ok", False) for v in args.variants)
     cell = lambda v, k, fmt: format(v[k], fmt) if k in v else "-"
     print(f"{r['b']:>4} {r['q_len']:>2} {r['h']:>4} {r['seq']:>6} | {cell(f, 'us', '8.1f'):>8} "
           f"{cell(f, 'gpu_us', '8.1f'):>8} {cell(f, 'gbs', '6.0f'):>6} {f.get('kernel', 'ERROR'):>14} | "
           f"{cell(bf, 'us', '8.1f'):>8} {cell(r, 'bf16_over_fp8', '8.2f'):>8} | {cell(pt, 'us', '8.1f'):>8} "
           f"{cell(r, args.compare + '_over_fp8', '8.2f'):>8} | {cell(f, 'relerr', '.1e')}")
-    for name in ("fp8", "bf16", args.compare):
+    for name in args.variants:
       if "error" in r[name]:
         print(f"     {name}: {r[name]['error']}")
   return 0 if ok else 1

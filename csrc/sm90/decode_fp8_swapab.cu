@@ -41,13 +41,11 @@ cudaError_t run_decode_fp8_swapab(const PagedDecodeParams& params, const DecodeW
       params.kpe_page_stride != int64_t{params.page_size} * params.kpe_token_stride)
     return cudaErrorNotSupported;
   const bool bf16 = params.q_type == ElemType::kBF16;
-  // An fp16 query of 17-32 rows takes three e4m3 parts a row
-  // (swapab_traits.h): its 55 KB leave room for three stages.
   if (rows <= 16)
     return bf16 ? launch_swapab<SwapAbTraits<__nv_bfloat16, 16>>(params, ws, schedule, stream)
                 : launch_swapab<SwapAbTraits<__half, 16>>(params, ws, schedule, stream);
   return bf16 ? launch_swapab<SwapAbTraits<__nv_bfloat16, 32>>(params, ws, schedule, stream)
-              : launch_swapab<SwapAbTraits<__half, 32, 2, 3>>(params, ws, schedule, stream);
+              : launch_swapab<SwapAbTraits<__half, 32>>(params, ws, schedule, stream);
 }
 
 }  // namespace sm90

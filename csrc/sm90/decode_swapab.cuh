@@ -7,22 +7,24 @@
 // CTA splits each query row into e4m3 parts (two for bf16, three for fp16,
 // after scaling the row by a power of two), then warpgroup w of W takes the
 // item's tiles w, w + W, ... from the stage ring (with kN = 32 both take
-// every tile, step 1 covers half of the k-steps and ends in an exchange of
-// the partial sums, step 4 covers the warpgroup's 256 features):
+// every tile, steps 1-3 cover the warpgroup's 16 query rows, step 4 its 256
+// features of all 32 rows):
 //   1. S^T = K Q^T: FP8 wgmmas straight from the raw stage (18 k-steps, in
 //      groups summed in float registers);
 //   2. column (query row) maxima over the tile's 64 tokens: lanes, then the
 //      warpgroup's four warps through shared memory (one barrier);
 //   3. P^T = 2^(S^T scale - max) as fp16 into shared memory, O^T rescaled
-//      (second barrier);
+//      (second barrier; with kN = 32 one of both warpgroups, after which
+//      each rescales its O^T by the factors of all 32 rows);
 //   4. O^T += V^T P^T: four 16-token k-steps of one wgmma per 64-feature
 //      m-block each (eight; four at kN = 32), issued by pairs of m-blocks,
 //      each pair's V^T converted as soon as its previous product is done;
 //   5. the stage is refilled with tile t + kStages (kN = 16: each warp
 //      refills its own ckv box as soon as it has read it, inside step 4).
 // At the item's end, with kN = 16, the warpgroups merge (m, l, O^T) through
-// shared memory and warpgroup 0 writes the output; with kN = 32 each
-// warpgroup already has the (m, l) of every token and writes its features.
+// shared memory and warpgroup 0 writes the output; with kN = 32 each row's
+// (m, l) goes from the warpgroup that owns it to both, and each warpgroup
+// writes its features.
 #pragma once
 
 #include <cuda_fp8.h>
@@ -65,8 +67,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   using Elem = typename Tr::Elem;
   using ElemS = typename Tr::ElemS;
   constexpr int kN = Tr::kN, kBlockN = Tr::kBlockN, kCols = Tr::kColsPerThread;
-  constexpr int kOVals = kN / 2;  // accumulator values per thread and m-block
+  constexpr int kOVals = kN / 2;  // O^T accumulator values per thread and m-block
   constexpr bool kSplit = Tr::kSplitO;
+  constexpr int kColsS = Tr::kColsPerThreadS, kSVals = Tr::kNq / 2;  // the same for S^T (one query part)
   constexpr int kOFeat = Tr::kOFeatures, kMBlocks = kOFeat / 64;
   constexpr float kLn2 = 0.6931471805599453f;
   using cutlass::arch::NamedBarrier;
@@ -80,6 +83,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   float* sRed = reinterpret_cast<float*>(shared + Tr::kSmemRed);    // [wg][warp][kN]
   float* sMax = reinterpret_cast<float*>(shared + Tr::kSmemMax);    // [wg][kN]
   float* sColScale = reinterpret_cast<float*>(shared + Tr::kSmemColScale);  // [kN]
+  float* sRescale = reinterpret_cast<float*>(shared + Tr::kSmemRescale);    // [tile parity][kN] (kSplit)
   int* s_bad_page = reinterpret_cast<int*>(shared + Tr::kSmemFlags);
   int* s_release = reinterpret_cast<int*>(shared + Tr::kSmemRelease);  // [stage] warp count (kSplitO)
   uint64_t* kv_full = reinterpret_cast<uint64_t*>(shared + Tr::kSmemBarriers);
@@ -92,35 +96,41 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   const int warp = __shfl_sync(0xffffffffu, wg_tid / 32, 0), lane = tid % 32;
   const int g = lane / 4, quad = lane % 4;  // accumulator row group, column pair
   const int rows = p.rows_per_request();
+  // The first query row of this warpgroup's S^T and softmax (kN = 32: it
+  // owns rows [16 wg, 16 wg + 16)).
+  const int row0 = kSplit ? Tr::kNq * wg : 0;
 
-  Tensor sQn = make_tensor(make_smem_ptr(reinterpret_cast<ElemS*>(smem + Tr::kSmemQ)), typename Tr::LayoutQn{});
-  Tensor sQr = make_tensor(make_smem_ptr(reinterpret_cast<ElemS*>(smem + Tr::kSmemQRope)), typename Tr::LayoutQr{});
-  Tensor sP = make_tensor(make_smem_ptr(reinterpret_cast<Elem*>(smem + Tr::kSmemP + wg * Tr::kPBytes)),
-                          typename Tr::LayoutP{});
-  char* const sP_shared = shared + Tr::kSmemP + wg * Tr::kPBytes;
+  char* const q_slab = smem + Tr::kSmemQ + (kSplit ? wg : 0) * Tr::kQSlabBytes;
+  Tensor sQn = make_tensor(make_smem_ptr(reinterpret_cast<ElemS*>(q_slab)), typename Tr::LayoutQn{});
+  Tensor sQr = make_tensor(make_smem_ptr(reinterpret_cast<ElemS*>(q_slab + Tr::kQRopeOffset)), typename Tr::LayoutQr{});
   auto mma = make_tiled_mma(typename Tr::MmaO{});
   auto thr = mma.get_thread_slice(wg_tid);
   auto mma_s = make_tiled_mma(typename Tr::MmaS{});
   auto thr_s = mma_s.get_thread_slice(wg_tid);
-  Tensor tOrP = thr.partition_fragment_B(sP);  // (MMA, 1, 4)
+  // P^T buffer `buf` as the O^T B operand: (MMA, 1, 4) descriptors.
+  auto p_operand = [&](int buf) {
+    return thr.partition_fragment_B(
+        make_tensor(make_smem_ptr(reinterpret_cast<Elem*>(smem + Tr::kSmemP + buf * Tr::kPBytes)), typename Tr::LayoutP{}));
+  };
+  const auto tOrP_own = p_operand(wg);  // kN = 16: the warpgroup's own buffer
   // (MMA, n, 16) and (MMA, n, 2) descriptors: n = 3 for N = 48 (three
   // m64n16k32 instructions, swapab_traits.h), else 1.
   Tensor tSrQn = thr_s.partition_fragment_B(sQn);
   Tensor tSrQr = thr_s.partition_fragment_B(sQr);
-  // S^T of the query's e4m3 parts: element e + j kOVals (e < kOVals) is
-  // column (query row) col(e)'s part j.
+  // S^T of the query's e4m3 parts: element e + j kSVals (e < kSVals) is
+  // column (slab row) col(e)'s part j.
   Tensor tSacc = partition_fragment_C(mma_s, Shape<_64, Int<Tr::kNS>>{});
   Tensor tSacc2 = partition_fragment_C(mma_s, Shape<_64, Int<Tr::kNS>>{});
-  Tensor tSrS = partition_fragment_C(mma, Shape<_64, Int<kN>>{});   // S^T, this thread's part
+  Tensor tSrS = make_tensor<float>(Int<kSVals>{});  // S^T, this thread's part, the parts summed
   Tensor tOrO = partition_fragment_C(mma, Shape<Int<kOFeat>, Int<kN>>{});  // O^T: (MMA, m-blocks, 1)
   // The register A operand of O^T (only the view's shape matters).
   auto shape_v = make_tensor(make_smem_ptr(reinterpret_cast<Elem*>(smem)), make_layout(Shape<Int<kOFeat>, _16>{}));
   Tensor tVa = thr.partition_fragment_A(shape_v);  // (MMA, m-blocks, 1): one 16-token k-step
-  static_assert(decltype(size(tSrS))::value == kOVals && decltype(size(tOrO))::value == kMBlocks * kOVals);
-  static_assert(decltype(size(tSacc))::value == Tr::kQTerms * kOVals && Tr::kQTerms <= 3);
+  static_assert(decltype(size(tOrO))::value == kMBlocks * kOVals);
+  static_assert(decltype(size(tSacc))::value == Tr::kQTerms * kSVals && Tr::kQTerms <= 3);
 
   // Accumulator element e: token (S^T) or output-row half (O^T) 8 * ((e / 2) % 2),
-  // query row col(e % 2 + 2 (e / 4)).
+  // query row col(e % 2 + 2 (e / 4)) (S^T: of the warpgroup's slab).
   auto col_index = [](int e) { return (e & 1) + 2 * (e >> 2); };
   auto col_of = [&](int ci) { return 2 * quad + (ci & 1) + 8 * (ci >> 1); };
 
@@ -250,6 +260,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       auto from_e4m3 = [](uint32_t v) {
         return __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(v), __NV_E4M3)));
       };
+      // Row r is row r % kNq of slab r / kNq.
+      char* const slab = shared + Tr::kSmemQ + (r / Tr::kNq) * Tr::kQSlabBytes;
+      const int slab_row = r % Tr::kNq;
 #pragma unroll
       for (int n = 0; n < 9; ++n) {
         const int ch = lane8 + 8 * n;
@@ -270,7 +283,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         }
 #pragma unroll
         for (int j = 0; j < Tr::kQTerms; ++j)
-          *reinterpret_cast<uint2*>(shared + Tr::kSmemQ + query_fp8_offset<Tr::kNS>(j * kN + r, 8 * ch)) =
+          *reinterpret_cast<uint2*>(slab + query_fp8_offset<Tr::kNS>(j * Tr::kNq + slab_row, 8 * ch)) =
               make_uint2(part[j][0], part[j][1]);
       }
       if (lane8 == 0) sColScale[r] = finite ? ldexpf(softmax.scale_log2, -shift) : NAN;
@@ -278,33 +291,23 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     fence_smem_for_wgmma();
     __syncthreads();  // the query and its rows' scales are in shared memory
 
-    // Per accumulator column: softmax scale (log2 domain, kv_scale and the
-    // query's power of two folded in) and visible length (worked out only
-    // for the tiles that need it: registers are short).
-    // With kN = 32 the scales are read from shared memory at each use.
-    float col_scale[kCols];
-    if constexpr (!kSplit) {
+    // Per S^T accumulator column: softmax scale (log2 domain, kv_scale and
+    // the query's power of two folded in) and visible length (worked out
+    // only for the tiles that need it: registers are short).
+    float col_scale[kColsS];
 #pragma unroll
-      for (int ci = 0; ci < kCols; ++ci) col_scale[ci] = sColScale[col_of(ci)];
-    }
-    auto scale_of = [&](int ci) {
-      if constexpr (kSplit) {
-        return sColScale[col_of(ci)];
-      } else {
-        return col_scale[ci];
-      }
-    };
+    for (int ci = 0; ci < kColsS; ++ci) col_scale[ci] = sColScale[row0 + col_of(ci)];
     auto limit_of = [&](int ci) {
-      const int col = col_of(ci);
+      const int col = row0 + col_of(ci);
       return col < rows ? static_cast<int>(min(visible_len(it.seq_len, p.q_len, col / p.num_heads, p.causal), tok_end))
                         : 0;
     };
     // Every live row sees at least this many tokens (query token 0's).
     const int min_limit = static_cast<int>(min(visible_len(it.seq_len, p.q_len, 0, p.causal), tok_end));
 
-    float m_run[kCols], l_part[kCols];
+    float m_run[kColsS], l_part[kColsS];
 #pragma unroll
-    for (int ci = 0; ci < kCols; ++ci) {
+    for (int ci = 0; ci < kColsS; ++ci) {
       m_run[ci] = -INFINITY;
       l_part[ci] = 0.f;
     }
@@ -354,10 +357,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         auto add = [&](int grp, auto& acc) __attribute__((always_inline)) {
           warpgroup_fence_operand(acc);
 #pragma unroll
-          for (int e = 0; e < kOVals; ++e) {
+          for (int e = 0; e < kSVals; ++e) {
             float v = acc(e);
 #pragma unroll
-            for (int j = 1; j < Tr::kQTerms; ++j) v += acc(e + j * kOVals) * (j == 1 ? 0.0625f : 0.00390625f);
+            for (int j = 1; j < Tr::kQTerms; ++j) v += acc(e + j * kSVals) * (j == 1 ? 0.0625f : 0.00390625f);
             tSrS(e) = (grp == 0 ? 0.f : tSrS(e)) + v;
           }
         };
@@ -371,56 +374,29 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         warpgroup_wait<0>();
         if ((kGroups - 1) % 2) add(kGroups - 1, tSacc2); else add(kGroups - 1, tSacc);
       };
-      if constexpr (kSplit) {
-        // kN = 32: each warpgroup takes half of the k-steps and the partial
-        // sums meet in shared memory (two buffers by tile parity, so a
-        // warpgroup a tile ahead cannot overwrite the buffer the other
-        // still reads).
-        if (wg == 0) {
-          s_steps(std::integral_constant<int, 0>{}, std::integral_constant<int, Tr::kSStepsWg0>{});
-        } else {
-          s_steps(std::integral_constant<int, Tr::kSStepsWg0>{}, std::integral_constant<int, Tr::kSSteps>{});
-        }
-        float4* xs = reinterpret_cast<float4*>(shared + Tr::kSmemX + (t & 1) * 2 * Tr::kXBytes);
-        float4* mine = xs + wg * (Tr::kXBytes / 16);
-        const float4* theirs = xs + (1 - wg) * (Tr::kXBytes / 16);
-#pragma unroll
-        for (int k = 0; k < kOVals / 4; ++k)
-          mine[k * 128 + wg_tid] = make_float4(tSrS(4 * k), tSrS(4 * k + 1), tSrS(4 * k + 2), tSrS(4 * k + 3));
-        NamedBarrier::sync(2 * 128, kW);  // both partial S^T written (ids 0 .. kW - 1: the warpgroups')
-#pragma unroll
-        for (int k = 0; k < kOVals / 4; ++k) {
-          const float4 o = theirs[k * 128 + wg_tid];
-          tSrS(4 * k) += o.x;
-          tSrS(4 * k + 1) += o.y;
-          tSrS(4 * k + 2) += o.z;
-          tSrS(4 * k + 3) += o.w;
-        }
-      } else {
-        s_steps(std::integral_constant<int, 0>{}, std::integral_constant<int, Tr::kSSteps>{});
-      }
+      s_steps(std::integral_constant<int, 0>{}, std::integral_constant<int, Tr::kSSteps>{});
 
       // 2. Column maxima (masked, scaled).
       const int tok0 = (tile_begin + t) * kBlockN;
       const bool all_visible = tok0 + kBlockN <= min_limit;
-      float tmax[kCols];
+      float tmax[kColsS];
 #pragma unroll
-      for (int ci = 0; ci < kCols; ++ci) tmax[ci] = -INFINITY;
+      for (int ci = 0; ci < kColsS; ++ci) tmax[ci] = -INFINITY;
       if (all_visible) {
 #pragma unroll
-        for (int e = 0; e < kOVals; ++e) {
+        for (int e = 0; e < kSVals; ++e) {
           const int ci = col_index(e);
-          tSrS(e) *= scale_of(ci);
+          tSrS(e) *= col_scale[ci];
           tmax[ci] = fmaxf(tmax[ci], tSrS(e));
         }
       } else {
-        int limit[kCols];
+        int limit[kColsS];
 #pragma unroll
-        for (int ci = 0; ci < kCols; ++ci) limit[ci] = limit_of(ci);
+        for (int ci = 0; ci < kColsS; ++ci) limit[ci] = limit_of(ci);
 #pragma unroll
-        for (int e = 0; e < kOVals; ++e) {
+        for (int e = 0; e < kSVals; ++e) {
           const int ci = col_index(e);
-          float v = tSrS(e) * scale_of(ci);
+          float v = tSrS(e) * col_scale[ci];
           if (tok0 + tok_row0 + 8 * ((e >> 1) & 1) >= limit[ci]) v = -INFINITY;
           tSrS(e) = v;
           tmax[ci] = fmaxf(tmax[ci], v);
@@ -428,17 +404,17 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       }
       float* red = sRed + wg * 4 * kN;
 #pragma unroll
-      for (int ci = 0; ci < kCols; ++ci) {
+      for (int ci = 0; ci < kColsS; ++ci) {
         tmax[ci] = fmaxf(tmax[ci], __shfl_xor_sync(0xffffffffu, tmax[ci], 4));
         tmax[ci] = fmaxf(tmax[ci], __shfl_xor_sync(0xffffffffu, tmax[ci], 8));
         tmax[ci] = fmaxf(tmax[ci], __shfl_xor_sync(0xffffffffu, tmax[ci], 16));
         if (g == 0) red[warp * kN + col_of(ci)] = tmax[ci];
       }
       NamedBarrier::sync(128, wg);
-      float c[kCols];
+      float c[kColsS];
       bool rescale = false;
 #pragma unroll
-      for (int ci = 0; ci < kCols; ++ci) {
+      for (int ci = 0; ci < kColsS; ++ci) {
         const int col = col_of(ci);
         float m = fmaxf(fmaxf(red[col], red[kN + col]), fmaxf(red[2 * kN + col], red[3 * kN + col]));
         m = fmaxf(m, m_run[ci]);
@@ -446,26 +422,58 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         rescale |= c[ci] != 1.f;
         m_run[ci] = m;
       }
-      // 3. P^T (fp16) for the B operand; row sums.
-      float sum[kCols];
+      // 3. P^T (fp16) for the B operand; row sums. kN = 16: the
+      // warpgroup's own buffer; kN = 32: the buffer of the tile's parity
+      // (its rows 16 wg ..), which O^T(t - 2) of both warpgroups is done
+      // with (each completes its O^T before the barrier of the next tile).
+      const int p_buf = kSplit ? (t & 1) : wg;
+      char* const sP_shared = shared + Tr::kSmemP + p_buf * Tr::kPBytes;
+      float sum[kColsS];
 #pragma unroll
-      for (int ci = 0; ci < kCols; ++ci) sum[ci] = 0.f;
+      for (int ci = 0; ci < kColsS; ++ci) sum[ci] = 0.f;
 #pragma unroll
-      for (int e = 0; e < kOVals; ++e) {
+      for (int e = 0; e < kSVals; ++e) {
         const int ci = col_index(e);
         const float pv = fast_exp2(tSrS(e) - (m_run[ci] == -INFINITY ? 0.f : m_run[ci]));
         sum[ci] += pv;
-        *reinterpret_cast<__half*>(sP_shared + kmajor_offset<kN>(col_of(ci), tok_row0 + 8 * ((e >> 1) & 1))) =
+        *reinterpret_cast<__half*>(sP_shared + kmajor_offset<kN>(row0 + col_of(ci), tok_row0 + 8 * ((e >> 1) & 1))) =
             __float2half_rn(pv);
       }
 #pragma unroll
-      for (int ci = 0; ci < kCols; ++ci) l_part[ci] = l_part[ci] * c[ci] + sum[ci];
-      if (__any_sync(0xffffffffu, rescale)) {
+      for (int ci = 0; ci < kColsS; ++ci) l_part[ci] = l_part[ci] * c[ci] + sum[ci];
+      if constexpr (kSplit) {
+        // The rows' rescale factors for both warpgroups' O^T (warp 0's
+        // quads hold the warpgroup's 16 rows; every warp has the same c).
+        float* resc = sRescale + (t & 1) * kN + row0;
+        if (warp == 0 && g == 0) {
 #pragma unroll
-        for (int i = 0; i < size(tOrO); ++i) tOrO(i) *= c[col_index(i % kOVals)];
+          for (int ci = 0; ci < kColsS; ++ci) resc[col_of(ci)] = c[ci];
+        }
+        fence_smem_for_wgmma();
+        // P^T and the factors of all 32 rows are in shared memory (and
+        // every thread read `red`); barrier ids 0 .. kW - 1 are the
+        // warpgroups'.
+        NamedBarrier::sync(2 * 128, kW);
+        float co[kCols];
+        rescale = false;
+#pragma unroll
+        for (int ci = 0; ci < kCols; ++ci) {
+          co[ci] = sRescale[(t & 1) * kN + col_of(ci)];
+          rescale |= co[ci] != 1.f;
+        }
+        if (__any_sync(0xffffffffu, rescale)) {
+#pragma unroll
+          for (int i = 0; i < size(tOrO); ++i) tOrO(i) *= co[col_index(i % kOVals)];
+        }
+      } else {
+        if (__any_sync(0xffffffffu, rescale)) {
+#pragma unroll
+          for (int i = 0; i < size(tOrO); ++i) tOrO(i) *= c[col_index(i % kOVals)];
+        }
+        fence_smem_for_wgmma();
+        NamedBarrier::sync(128, wg);  // P^T is complete (and every thread read `red`)
       }
-      fence_smem_for_wgmma();
-      NamedBarrier::sync(128, wg);  // P^T is complete (and every thread read `red`)
+      const auto tOrP = kSplit ? p_operand(p_buf) : tOrP_own;
 
       // 4. O^T += V^T P^T over four 16-token k-steps. Tokens at or past
       // tok_end hold whatever the cache has there: their values are
@@ -578,16 +586,17 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       stage_parity ^= static_cast<uint32_t>(uses & 1) << j;
     }
 
-    // Epilogue: merge the warpgroups' (m, l, O^T) and write (kN = 32: each
-    // warpgroup has (m, l) of all tokens and writes its own features).
+    // Epilogue: merge the warpgroups' (m, l, O^T) and write (kN = 32: the
+    // (m, l) of row r come from warpgroup r / 16, and each warpgroup writes
+    // its own features).
 #pragma unroll
-    for (int ci = 0; ci < kCols; ++ci) {
+    for (int ci = 0; ci < kColsS; ++ci) {
       l_part[ci] += __shfl_xor_sync(0xffffffffu, l_part[ci], 4);
       l_part[ci] += __shfl_xor_sync(0xffffffffu, l_part[ci], 8);
       l_part[ci] += __shfl_xor_sync(0xffffffffu, l_part[ci], 16);
       if (g == 0) {
-        sRed[(wg * 4 + warp) * kN + col_of(ci)] = l_part[ci];
-        if (warp == 0) sMax[wg * kN + col_of(ci)] = m_run[ci];
+        sRed[(wg * 4 + warp) * kN + row0 + col_of(ci)] = l_part[ci];
+        if (warp == 0) sMax[wg * kN + row0 + col_of(ci)] = m_run[ci];
       }
     }
     __syncthreads();
@@ -642,14 +651,15 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       }
     };
     if constexpr (kSplit) {
-      // Both warpgroups saw every token: their (m, l) are the column's, and
-      // each writes its features, one column at a time.
+      // Row col's (m, l) from its owner; each warpgroup writes its
+      // features, one column at a time.
 #pragma unroll
       for (int ci = 0; ci < kCols; ++ci) {
+        const int col = col_of(ci), owner = col / Tr::kNq;
         float total = 0.f;
 #pragma unroll
-        for (int k = 0; k < 4; ++k) total += sRed[(wg * 4 + k) * kN + col_of(ci)];
-        write_column(ci, finish_column(ci, m_run[ci], total));
+        for (int k = 0; k < 4; ++k) total += sRed[(owner * 4 + k) * kN + col];
+        write_column(ci, finish_column(ci, sMax[owner * kN + col], total));
       }
     } else {
       // Warpgroups 1.. hand their O^T, scaled to the common max, to

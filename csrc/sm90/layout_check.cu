@@ -125,7 +125,7 @@ int check_swapab(const char* name) {
   // The FP8 query operand (LayoutQn, then LayoutQr) is where
   // query_fp8_offset() writes it.
   auto sQn = make_tensor(make_smem_ptr(buf8), typename Tr::LayoutQn{});
-  auto sQr = make_tensor(make_smem_ptr(buf8 + Tr::kSmemQRope - Tr::kSmemQ), typename Tr::LayoutQr{});
+  auto sQr = make_tensor(make_smem_ptr(buf8 + Tr::kQRopeOffset), typename Tr::LayoutQr{});
   for (int r = 0; r < kNS; ++r) {
     for (int k = 0; k < Tr::kDimQK; ++k) {
       const long at = k < 512 ? reinterpret_cast<const char*>(&sQn(r, k)) - base8
@@ -185,6 +185,6 @@ int main() {
   bad += check_swapab<mla_jax::sm90::SwapAbTraits<__nv_bfloat16, 16>>("swapab16");
   bad += check_swapab<mla_jax::sm90::SwapAbTraits<__nv_bfloat16, 32>>("swapab32");
   bad += check_swapab<mla_jax::sm90::SwapAbTraits<__half, 16>>("swapab16 fp16");
-  bad += check_swapab<mla_jax::sm90::SwapAbTraits<__half, 32, 2, 3>>("swapab32 fp16");
+  bad += check_swapab<mla_jax::sm90::SwapAbTraits<__half, 32>>("swapab32 fp16");
   return bad ? 1 : 0;
 }

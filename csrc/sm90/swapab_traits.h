@@ -6,25 +6,27 @@
 // tensor work on zero rows, and an FP8 cache, which halves the bytes, cannot
 // show it. Here the operands are swapped so that the 64 tokens of a KV tile
 // are wgmma's M and the query rows its N (kN: 16 or 32):
-//   S^T = K Q^T     m64n(q kN)k32 e4m3 x 18 k-steps, both operands in shared
-//                   memory: A = the raw stage as TMA wrote it (its boxes are
-//                   the K-major swizzled layouts, LayoutKn and LayoutKr), B =
-//                   the query as q = kQTerms e4m3 parts per row (part j in
-//                   rows j kN .. j kN + kN - 1, weight 16^-j; after the row is
-//                   scaled by a power of two that brings its largest value
-//                   below 2^8, two parts hold a bf16 value exactly, three an
-//                   fp16 one); the sum runs in groups of kSGroupSteps k-steps
-//                   added in float registers, as the tensor core accumulates
-//                   FP8 products at less than float precision;
+//   S^T = K Q^T     m64n(q kNq)k32 e4m3 x 18 k-steps, kNq = 16 query rows
+//                   per warpgroup, both operands in shared memory: A = the
+//                   raw stage as TMA wrote it (its boxes are the K-major
+//                   swizzled layouts, LayoutKn and LayoutKr), B = the
+//                   warpgroup's slab of the query, q = kQTerms e4m3 parts
+//                   per row (part j in slab rows j kNq .. j kNq + kNq - 1,
+//                   weight 16^-j; after the row is scaled by a power of two
+//                   that brings its largest value below 2^8, two parts hold
+//                   a bf16 value exactly, three an fp16 one); the sum runs
+//                   in groups of kSGroupSteps k-steps added in float
+//                   registers, as the tensor core accumulates FP8 products
+//                   at less than float precision;
 //   O^T += V^T P^T  m64nNk16 fp16 per 64 features x 4 k-steps: A = the tile's
 //                   values, as V^T (registers, converted from e4m3, exactly,
 //                   one instruction per pair), B = P^T (shared memory).
 // No conversion is spent on S^T; a bf16 query's two parts take the shared
 // memory it took in fp16, an fp16 query's three half as much again.
 // Without CuTe's extended wgmma shapes (CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED,
-// not defined here) N = 48 (fp16 query, kN = 16) has no single
-// instruction: CuTe issues three m64n16k32 per k-step, each reading the A
-// tile again; N = 32, 64 and 96 are single instructions.
+// not defined here) N = 48 (fp16 query) has no single instruction: CuTe
+// issues three m64n16k32 per k-step, each reading the A tile again; N = 32
+// (bf16 query) is a single instruction.
 //
 // The O^T A operand is read from the raw e4m3 tile with 16-byte (kN = 32:
 // 8-byte) shared-memory loads: thread (w, l) holds features 128 w + 16 (l /
@@ -45,14 +47,18 @@
 // no "empty" barrier.
 //
 // With 17 to 32 rows (kN = 32) an O^T of all 512 features would need 128
-// accumulator registers a thread (it spills), so the warpgroups split the
-// work of every tile instead: each computes S^T over half of the k-steps
-// (kSStepsWg0 of the 18), the two partial
-// sums meet in shared memory (one barrier of both warpgroups), each then
-// runs the same softmax on the same values and O^T for its 256 features,
-// and writes its own half of the output. A stage is free once all eight
-// warps have read it: each warp counts itself in (s_release, shared memory)
-// and the warp that completes the count refills the stage.
+// accumulator registers a thread (it spills), so the warpgroups split every
+// tile's work by query rows for S^T and by features for O^T: warpgroup v
+// computes S^T over all 18 k-steps for query rows [16 v, 16 v + 16) (its
+// own slab of the query operand, as at kN = 16), runs their softmax and
+// writes their P^T columns and rescale factors into a buffer shared by
+// both (two buffers by tile parity); after one barrier of both warpgroups
+// each rescales and accumulates O^T for its 256 features over all 32 rows,
+// and writes its own half of the output. The running max and sum of a row
+// live in the warpgroup that owns the row, and meet the other's O^T in
+// shared memory at the item's end. A stage is free once all eight warps
+// have read it: each warp counts itself in (s_release, shared memory) and
+// the warp that completes the count refills the stage.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -94,8 +100,8 @@ __host__ __device__ __forceinline__ int kmajor_offset(int row, int k) {
 // Warpgroups per CTA and KV stages of the swap-AB kernel. Three warpgroups
 // leave 168 registers a thread, and the kernel spills there (slower than
 // two, docs/perf.md); four 36 KB stages read as fast as five (which needed
-// a cross-warpgroup hand-off, docs/perf.md) and leave room for a 32-row bf16
-// query (a 32-row fp16 one, in three parts, leaves room for three stages).
+// a cross-warpgroup hand-off, docs/perf.md) and leave room for a 32-row
+// query in either type.
 constexpr int kSwapAbWarpgroups = 2;
 constexpr int kSwapAbStages = 4;
 
@@ -109,14 +115,16 @@ struct SwapAbTraits {
   // e4m3 parts per query row: a bf16 value (8 significant bits) is the sum
   // of two, an fp16 one (11) of three.
   static constexpr int kQTerms = std::is_same_v<QType, __half> ? 3 : 2;
-  static constexpr int kNS = kQTerms * kN;  // S^T wgmma N: part j of row r is B row j kN + r
-  // Both warpgroups on every tile, each with half of O^T's features (above).
+  // Both warpgroups on every tile, S^T split by rows, O^T by features (above).
   static constexpr bool kSplitO = kN == 32;
+  // Query rows of a warpgroup's S^T and softmax (S^T wgmma N per part), and
+  // the query operand's slabs: slab v holds rows [v kNq, v kNq + kNq).
+  static constexpr int kNq = kSplitO ? 16 : kN;
+  static constexpr int kQSlabs = kN / kNq;
+  static constexpr int kNS = kQTerms * kNq;  // S^T wgmma N: part j of slab row r is B row j kNq + r
   static constexpr int kOFeatures = kSplitO ? 256 : 512;  // O^T rows per warpgroup
   static constexpr int kDimNope = 512, kDimRope = 64, kDimQK = 576;
   static constexpr int kSSteps = kDimQK / 32;  // S^T k-steps: 16 of ckv, then 2 of kpe
-  // kN = 32: warpgroup 0 computes S^T over k-steps [0, 9), warpgroup 1 over [9, 18).
-  static constexpr int kSStepsWg0 = kSSteps / 2;
   // S^T's k-steps per float accumulation group (decode_swapab.cuh, step 1).
   static constexpr int kSGroupSteps = 3;
   static constexpr int kBlockN = 64;  // tokens per KV tile (wgmma M; the scheduler's block)
@@ -124,7 +132,8 @@ struct SwapAbTraits {
   static constexpr int kStages = kStages_;
   static constexpr int kThreads = 128 * kWarpgroups;
   static_assert(kSplitO ? kWarpgroups == 2 : kStages % kWarpgroups == 0);
-  static constexpr int kColsPerThread = kN / 4;  // query rows in a thread's accumulator columns
+  static constexpr int kColsPerThread = kN / 4;   // query rows in a thread's O^T accumulator columns
+  static constexpr int kColsPerThreadS = kNq / 4;  // and in its S^T ones
 
   // A raw FP8 stage: four 128-byte-swizzled TMA boxes of ckv (64 tokens x
   // 128 features), then the kpe box (64 tokens x 64 bytes, 64-byte-swizzled).
@@ -153,24 +162,26 @@ struct SwapAbTraits {
                                                          cute::GMMA::Major::K, cute::GMMA::Major::K>());
 
   // Shared memory, from a 1024-byte aligned base.
-  static constexpr int kSmemQ = 0;                                    // LayoutQn, then LayoutQr
-  static constexpr int kSmemQRope = kSmemQ + kNS * kDimNope;
-  static constexpr int kSmemKv = kSmemQRope + kNS * kDimRope;         // [stage]
-  static constexpr int kSmemP = kSmemKv + kStages * kStageBytes;      // [warpgroup] P^T
+  static constexpr int kQRopeOffset = kNS * kDimNope;                 // in a slab: LayoutQn, then LayoutQr
+  static constexpr int kQSlabBytes = kNS * kDimQK;
+  static constexpr int kSmemQ = 0;                                    // [slab]
+  static constexpr int kSmemKv = kSmemQ + kQSlabs * kQSlabBytes;      // [stage]
+  // P^T buffers: kN = 16 one per warpgroup, kN = 32 one per tile parity.
+  static constexpr int kSmemP = kSmemKv + kStages * kStageBytes;
   static constexpr int kPBytes = kN * kBlockN * 2;
-  // kN = 32: the partial S^T sums, [tile parity][warpgroup][value / 4][thread] float4.
-  static constexpr int kXBytes = kSplitO ? 128 * (kN / 2) * 4 : 0;
-  static constexpr int kSmemX = kSmemP + kWarpgroups * kPBytes;
-  static constexpr int kSmemRed = kSmemX + 2 * 2 * kXBytes;             // [warpgroup][warp][kN] floats
+  static constexpr int kPBuffers = kSplitO ? 2 : kWarpgroups;
+  static constexpr int kSmemRed = kSmemP + kPBuffers * kPBytes;         // [warpgroup][warp][kN] floats
   static constexpr int kSmemMax = kSmemRed + kWarpgroups * 4 * kN * 4;  // [warpgroup][kN] running maxima
   static constexpr int kSmemColScale = kSmemMax + kWarpgroups * kN * 4;  // [kN] per-row softmax scales
-  static constexpr int kSmemFlags = kSmemColScale + kN * 4;             // bad-page flag
+  // kN = 32: [tile parity][kN] the rows' O^T rescale factors.
+  static constexpr int kSmemRescale = kSmemColScale + kN * 4;
+  static constexpr int kSmemFlags = kSmemRescale + (kSplitO ? 2 * kN * 4 : 0);  // bad-page flag
   static constexpr int kSmemRelease = kSmemFlags + 16;                // [stage] warps done (kSplitO)
   static constexpr int kSmemBarriers = kSmemRelease + (kStages * 4 + 7) / 8 * 8;  // [stage] mbarriers
   static constexpr int kSmemBytes = kSmemBarriers + kStages * 8;
   static constexpr int kSmemAlloc = kSmemBytes + 1024;
-  static_assert(kSmemQRope % 512 == 0 && kRopeOffset % 512 == 0);
-  static_assert(kSmemQ % 1024 == 0 && kSmemKv % 1024 == 0 && kSmemP % 1024 == 0 && kStageBytes % 1024 == 0);
+  static_assert(kQRopeOffset % 512 == 0 && kRopeOffset % 512 == 0);
+  static_assert(kQSlabBytes % 1024 == 0 && kSmemKv % 1024 == 0 && kSmemP % 1024 == 0 && kStageBytes % 1024 == 0);
   static_assert(kSmemBarriers % 8 == 0);
   static_assert(kSmemAlloc <= 227 * 1024, "exceeds the sm_90 shared memory per block");
   // With kN = 16 the epilogue hands warpgroups 1.. 's O^T (float) to
