@@ -1,7 +1,7 @@
 // Instantiation: the swap-AB kernel (decode_swapab.cuh) for a float8_e4m3fn
 // cache with one kv_scale, bf16 or fp16 query, 16 query rows per CTA (up to
-// 16 rows per request) or 32 (17 to 32 rows; the warpgroups split O^T's
-// features).
+// 16 rows per request) or 32 (17 to 32 rows; the warpgroups split S^T by
+// query rows and O^T by features).
 #include "csrc/sm90/api.h"
 #include "csrc/sm90/decode_swapab.cuh"
 #include "csrc/smxx/api.h"

@@ -112,9 +112,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     return thr.partition_fragment_B(
         make_tensor(make_smem_ptr(reinterpret_cast<Elem*>(smem + Tr::kSmemP + buf * Tr::kPBytes)), typename Tr::LayoutP{}));
   };
-  const auto tOrP_own = p_operand(wg);  // kN = 16: the warpgroup's own buffer
-  // (MMA, n, 16) and (MMA, n, 2) descriptors: n = 3 for N = 48 (three
-  // m64n16k32 instructions, swapab_traits.h), else 1.
+  // (MMA, 1, 16) and (MMA, 1, 2) descriptors.
   Tensor tSrQn = thr_s.partition_fragment_B(sQn);
   Tensor tSrQr = thr_s.partition_fragment_B(sQr);
   // S^T of the query's e4m3 parts: element e + j kSVals (e < kSVals) is
@@ -203,8 +201,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       }
     }
 
-    // The query rows as kQTerms e4m3 parts each (part j: row j kN + r of
-    // the S^T B operand), after scaling the row by 2^shift so that its
+    // The query rows as kQTerms e4m3 parts each (part j of row r: row
+    // j kNq + r % kNq of slab r / kNq, the S^T B operand of warpgroup
+    // r / kNq at kN = 32), after scaling the row by 2^shift so that its
     // largest value is below 2^8: x 2^shift = sum_j part_j / 16^j, exactly
     // for every value above 2^-13 (bf16) or 2^-14 (fp16) of the row's
     // largest (a bf16 value's 8 significant bits in two parts of 4, an fp16
@@ -325,16 +324,15 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       if (lane == 0 && t + kS < num_tiles) next_entry = fetch_entry(t + kS);
       FullBarrier::wait(&kv_full[j], ((stage_parity >> j) ^ static_cast<uint32_t>(t / kS)) & 1u);
 
-      // 1. S^T = K Q^T over k-steps [first, last) (16 of ckv, then 2 of
-      // kpe), straight from the stage. The FP8 products accumulate at less
-      // than float precision inside the tensor core, with an error that
-      // grows with the running sum, so the sum runs in groups of
-      // kSGroupSteps k-steps, each from zero, added up in float registers
-      // (the query's parts together), in two accumulators so that a
-      // group's wgmmas run while the previous group is added.
-      auto s_steps = [&](auto first_c, auto last_c) __attribute__((always_inline)) {
-        constexpr int kFirst = decltype(first_c)::value, kLast = decltype(last_c)::value;
-        constexpr int kG = Tr::kSGroupSteps, kGroups = (kLast - kFirst + kG - 1) / kG;
+      // 1. S^T = K Q^T over the 18 k-steps (16 of ckv, then 2 of kpe) for
+      // the warpgroup's rows, straight from the stage. The FP8 products
+      // accumulate at less than float precision inside the tensor core,
+      // with an error that grows with the running sum, so the sum runs in
+      // groups of kSGroupSteps k-steps, each from zero, added up in float
+      // registers (the query's parts together), in two accumulators so
+      // that a group's wgmmas run while the previous group is added.
+      {
+        constexpr int kG = Tr::kSGroupSteps, kGroups = (Tr::kSSteps + kG - 1) / kG;
         Tensor sKn = make_tensor(make_smem_ptr(reinterpret_cast<const ElemS*>(stage)), typename Tr::LayoutKn{});
         Tensor sKr = make_tensor(make_smem_ptr(reinterpret_cast<const ElemS*>(stage + Tr::kRopeOffset)),
                                  typename Tr::LayoutKr{});
@@ -344,8 +342,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
           warpgroup_fence_operand(acc);
           warpgroup_arrive();
 #pragma unroll
-          for (int k = kFirst + kG * grp; k < kFirst + kG * grp + kG && k < kLast; ++k) {
-            mma_s.accumulate_ = k == kFirst + kG * grp ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
+          for (int k = kG * grp; k < kG * grp + kG && k < Tr::kSSteps; ++k) {
+            mma_s.accumulate_ = k == kG * grp ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
             if (k < 16) {
               gemm(mma_s, tSrKn(_, _, k), tSrQn(_, _, k), acc);
             } else {
@@ -373,8 +371,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         }
         warpgroup_wait<0>();
         if ((kGroups - 1) % 2) add(kGroups - 1, tSacc2); else add(kGroups - 1, tSacc);
-      };
-      s_steps(std::integral_constant<int, 0>{}, std::integral_constant<int, Tr::kSSteps>{});
+      }
 
       // 2. Column maxima (masked, scaled).
       const int tok0 = (tile_begin + t) * kBlockN;
@@ -473,7 +470,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         fence_smem_for_wgmma();
         NamedBarrier::sync(128, wg);  // P^T is complete (and every thread read `red`)
       }
-      const auto tOrP = kSplit ? p_operand(p_buf) : tOrP_own;
+      const auto tOrP = p_operand(p_buf);
 
       // 4. O^T += V^T P^T over four 16-token k-steps. Tokens at or past
       // tok_end hold whatever the cache has there: their values are

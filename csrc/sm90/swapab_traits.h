@@ -22,11 +22,8 @@
 //                   values, as V^T (registers, converted from e4m3, exactly,
 //                   one instruction per pair), B = P^T (shared memory).
 // No conversion is spent on S^T; a bf16 query's two parts take the shared
-// memory it took in fp16, an fp16 query's three half as much again.
-// Without CuTe's extended wgmma shapes (CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED,
-// not defined here) N = 48 (fp16 query) has no single instruction: CuTe
-// issues three m64n16k32 per k-step, each reading the A tile again; N = 32
-// (bf16 query) is a single instruction.
+// memory it took in fp16, an fp16 query's three half as much again. Either
+// is one wgmma per k-step (N = 32 or 48).
 //
 // The O^T A operand is read from the raw e4m3 tile with 16-byte (kN = 32:
 // 8-byte) shared-memory loads: thread (w, l) holds features 128 w + 16 (l /
@@ -55,8 +52,8 @@
 // both (two buffers by tile parity); after one barrier of both warpgroups
 // each rescales and accumulates O^T for its 256 features over all 32 rows,
 // and writes its own half of the output. The running max and sum of a row
-// live in the warpgroup that owns the row, and meet the other's O^T in
-// shared memory at the item's end. A stage is free once all eight warps
+// live in the warpgroup that owns the row, which hands them to the other
+// through shared memory at the item's end. A stage is free once all eight warps
 // have read it: each warp counts itself in (s_release, shared memory) and
 // the warp that completes the count refills the stage.
 #pragma once
@@ -66,6 +63,10 @@
 
 #include <cute/arch/mma_sm90.hpp>
 #include <cute/atom/mma_traits_sm90_gmma.hpp>
+// CuTe's extended wgmma shapes (its op selectors use them only under
+// CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED): m64n48k32 e4m3 for an fp16 query.
+#include <cute/arch/mma_sm90_gmma_ext.hpp>
+#include <cute/atom/mma_traits_sm90_gmma_ext.hpp>
 #include <cute/tensor.hpp>
 
 #include <type_traits>
@@ -151,9 +152,13 @@ struct SwapAbTraits {
                                                 cute::Shape<cute::Int<kNS>, cute::Int<kDimNope>>{}));
   using LayoutQr = decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW64_Atom<ElemS>{},
                                                 cute::Shape<cute::Int<kNS>, cute::Int<kDimRope>>{}));
-  using MmaS = decltype(cute::SM90::GMMA::ss_op_selector<ElemS, ElemS, float,
-                                                         cute::Shape<cute::_64, cute::Int<kNS>, cute::_32>,
-                                                         cute::GMMA::Major::K, cute::GMMA::Major::K>());
+  // N = 48 (fp16 query) named outright: the default selector would issue
+  // three m64n16k32 per k-step, each reading the A tile again.
+  using MmaS = std::conditional_t<kNS == 48, cute::SM90::GMMA::MMA_64x48x32_F32E4M3E4M3_SS_TN<>,
+                                  decltype(cute::SM90::GMMA::ss_op_selector<
+                                           ElemS, ElemS, float, cute::Shape<cute::_64, cute::Int<kNS>, cute::_32>,
+                                           cute::GMMA::Major::K, cute::GMMA::Major::K>())>;
+  static_assert(cute::size<1>(typename cute::MMA_Traits<MmaS>::Shape_MNK{}) == kNS, "one S^T wgmma per k-step");
   // O^T: P^T (fp16, B) in shared memory.
   using AtomK = cute::GMMA::Layout_K_SW128_Atom<Elem>;
   using LayoutP = decltype(cute::tile_to_shape(AtomK{}, cute::Shape<cute::Int<kN>, cute::Int<kBlockN>>{}));
@@ -181,7 +186,8 @@ struct SwapAbTraits {
   static constexpr int kSmemBytes = kSmemBarriers + kStages * 8;
   static constexpr int kSmemAlloc = kSmemBytes + 1024;
   static_assert(kQRopeOffset % 512 == 0 && kRopeOffset % 512 == 0);
-  static_assert(kQSlabBytes % 1024 == 0 && kSmemKv % 1024 == 0 && kSmemP % 1024 == 0 && kStageBytes % 1024 == 0);
+  static_assert(kQSlabBytes % 1024 == 0 && kSmemKv % 1024 == 0 && kSmemP % 1024 == 0 && kPBytes % 1024 == 0 &&
+                kStageBytes % 1024 == 0);
   static_assert(kSmemBarriers % 8 == 0);
   static_assert(kSmemAlloc <= 227 * 1024, "exceeds the sm_90 shared memory per block");
   // With kN = 16 the epilogue hands warpgroups 1.. 's O^T (float) to
