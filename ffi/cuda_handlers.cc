@@ -39,7 +39,7 @@ struct Launch {
 // Resolves the configuration for this device and carves the workspace.
 ffi::Error prepare(const char* op, DecodeOp kind, int device_ordinal, const PagedDecodeParams& p,
                    const KernelAttrs& attrs, ffi::Result<ffi::AnyBuffer> workspace, Launch* launch) {
-  const DeviceInfo& dev = device_info(device_ordinal);
+  const DeviceInfo dev = device_info(device_ordinal);
   if (dev.status != cudaSuccess)
     return internal_error(op, std::string("cannot query the CUDA device: ") + cudaGetErrorString(dev.status));
   if (attrs.workspace_parts < 1 || attrs.workspace_parts > (int64_t{1} << 20))

@@ -497,7 +497,7 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  const DeviceInfo& dev = device_info(0);
+  const DeviceInfo dev = device_info(0);
   CUDA_OK(dev.status);
   cudaDeviceProp prop{};
   CUDA_OK(cudaGetDeviceProperties(&prop, 0));

@@ -2,6 +2,7 @@
 // configuration.
 #include "csrc/dispatch/decode.h"
 
+#include <atomic>
 #include <mutex>
 
 #include "csrc/sm80/api.h"
@@ -10,23 +11,30 @@
 
 namespace mla_jax {
 
-const DeviceInfo& device_info(int device_ordinal) {
+DeviceInfo device_info(int device_ordinal) {
   constexpr int kMaxDevices = 64;
   static DeviceInfo infos[kMaxDevices];
-  static std::once_flag once[kMaxDevices];
-  static DeviceInfo invalid{0, 0, cudaErrorInvalidDevice};
-  if (device_ordinal < 0 || device_ordinal >= kMaxDevices) return invalid;
-  std::call_once(once[device_ordinal], [device_ordinal] {
-    DeviceInfo& d = infos[device_ordinal];
-    int major = 0, minor = 0;
-    d.status = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device_ordinal);
-    if (d.status == cudaSuccess)
-      d.status = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device_ordinal);
-    if (d.status == cudaSuccess)
-      d.status = cudaDeviceGetAttribute(&d.sm_count, cudaDevAttrMultiProcessorCount, device_ordinal);
-    d.arch = 10 * major + minor;
-  });
-  return infos[device_ordinal];
+  static std::atomic<bool> known[kMaxDevices];
+  static std::mutex mu;
+  if (device_ordinal < 0 || device_ordinal >= kMaxDevices) return DeviceInfo{0, 0, cudaErrorInvalidDevice};
+  // infos[i] is written once, before known[i] is set.
+  if (known[device_ordinal].load(std::memory_order_acquire)) return infos[device_ordinal];
+  std::lock_guard<std::mutex> lock(mu);
+  if (known[device_ordinal].load(std::memory_order_relaxed)) return infos[device_ordinal];
+  DeviceInfo d;
+  int major = 0, minor = 0;
+  d.status = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device_ordinal);
+  if (d.status == cudaSuccess) d.status = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device_ordinal);
+  if (d.status == cudaSuccess)
+    d.status = cudaDeviceGetAttribute(&d.sm_count, cudaDevAttrMultiProcessorCount, device_ordinal);
+  d.arch = 10 * major + minor;
+  // Kept once the runtime answered; a failed query (a transient error, a
+  // device not yet visible) is asked again at the next call.
+  if (d.status == cudaSuccess) {
+    infos[device_ordinal] = d;
+    known[device_ordinal].store(true, std::memory_order_release);
+  }
+  return d;
 }
 
 bool build_has_sm90a() {

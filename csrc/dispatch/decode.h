@@ -11,13 +11,13 @@
 
 namespace mla_jax {
 
-// Facts of a CUDA device, asked of the runtime once per device.
+// Facts of a CUDA device, asked of the runtime until it answers, then kept.
 struct DeviceInfo {
   int arch = 0;      // 10 * major + minor
   int sm_count = 0;
   cudaError_t status = cudaSuccess;
 };
-const DeviceInfo& device_info(int device_ordinal);
+DeviceInfo device_info(int device_ordinal);
 
 // Whether this build carries sm_90a code (the Hopper kernels).
 bool build_has_sm90a();

@@ -520,7 +520,7 @@ int main(int argc, char** argv) {
   const int n = argc > 1 ? std::atoi(argv[1]) : 40;
   const uint64_t seed = argc > 2 ? std::strtoull(argv[2], nullptr, 10) : 20261202;
   if (argc > 3 && std::strcmp(argv[3], "--short-out") == 0) g_out_shortfall = 2;
-  const DeviceInfo& dev = device_info(0);
+  const DeviceInfo dev = device_info(0);
   CUDA_OK(dev.status);
   std::printf("device arch %d, %d SMs, sm_90a code %s; %d cases from seed %llu\n", dev.arch, dev.sm_count,
               build_has_sm90a() ? "yes" : "no", n, static_cast<unsigned long long>(seed));
