@@ -526,17 +526,33 @@ HOPPER_CASES = [
     (64, 1, 300, "arbitrary", jnp.float16),
     (32, 2, 2048, "pow2", jnp.bfloat16),          # 17-32 heads: one 64-row block, the rows past 32 zero
     (20, 1, 300, "arbitrary", jnp.float16),
+    (16, 1, 2048, "pow2", jnp.bfloat16),          # 16 heads or fewer, bf16 query: the swap-AB kernel
+    (16, 2, 2049, "arbitrary", jnp.bfloat16),
+    (12, 4, 64, "pow2", jnp.bfloat16),
+    (8, 1, 300, "arbitrary", jnp.bfloat16),
+    (1, 1, 1, "arbitrary", jnp.bfloat16),
+    (16, 1, 300, "pow2", jnp.float16),            # fp16 query: the portable kernel
 ]
+
+
+def _hopper_kernel(num_heads, dtype):
+  """The kernel auto-selection picks on an sm_90 GPU for fp8_ds_mla."""
+  if num_heads > 16:
+    return "sm90_lockstep"
+  return "sm90_swapab" if dtype == jnp.bfloat16 else "portable"
 
 
 @GPU
 @pytest.mark.parametrize("kernel", ["auto", "portable"])
 @pytest.mark.parametrize("num_heads,q_len,topk,scale_format,dtype", HOPPER_CASES)
 def test_hopper_fp8_ds_mla(kernel, num_heads, q_len, topk, scale_format, dtype):
-  """More than 16 heads run the sm90 lock-step kernel on an sm_90 GPU (auto),
-  which dequantises the 656-byte rows on chip; padding and out-of-range
-  indices anywhere, topk_lens with garbage (a NaN page) after it, and sinks,
-  against the float64 reference and against the portable kernel."""
+  """On an sm_90 GPU (auto) more than 16 heads run the sm90 lock-step
+  kernel, which dequantises the 656-byte rows on chip, and 16 or fewer with
+  a bf16 query the swap-AB kernel (rows gathered by index, the scales
+  applied to the S^T group sums and the V^T values); padding and
+  out-of-range indices anywhere, topk_lens with garbage (a NaN page) after
+  it, and sinks, against the float64 reference and against the portable
+  kernel."""
   b, s = 3, 64
   case = Case(seed_of("hopper", num_heads, q_len, topk, scale_format), batch=b, q_len=q_len,
               num_heads=num_heads, topk=topk, num_pages=max(40, -(-topk // s) + 8), page_size=s,
@@ -556,7 +572,7 @@ def test_hopper_fp8_ds_mla(kernel, num_heads, q_len, topk, scale_format, dtype):
   sink = np.random.default_rng(3).normal(0.0, 2.0, num_heads).astype(np.float32)
   plan = dataclasses.replace(case.plan("cuda"), kernel=kernel)
   if kernel == "auto" and _hopper():
-    assert mla_jax.explain(plan, case.query, kv, idx).kernel.kernel == "sm90_lockstep"
+    assert mla_jax.explain(plan, case.query, kv, idx).kernel.kernel == _hopper_kernel(num_heads, dtype)
   ref = case.reference(indices=idx, topk_lens=lens, kv_cache=kv, attn_sink=sink)
   out, lse = run_sparse("cuda", case.query, kv, idx, plan, topk_lens=lens, attn_sink=sink)
   assert_matches(out, lse, *ref, case.dtype)
