@@ -579,3 +579,41 @@ def test_hopper_fp8_ds_mla(kernel, num_heads, q_len, topk, scale_format, dtype):
   out2, lse2 = run_sparse("cuda", case.query, kv, idx, plan, topk_lens=lens, attn_sink=sink)
   np.testing.assert_array_equal(np.asarray(out2.astype(jnp.float32)), np.asarray(out.astype(jnp.float32)))
   np.testing.assert_array_equal(np.asarray(lse2), np.asarray(lse))
+
+
+@GPU
+def test_hopper_swapab_long_items():
+  """Items of many tiles: 64 entries x q_len 2 with top-k 2048 give the scheduler whole
+  requests of up to 32 tiles per partition, so the swap-AB kernel refills every stage of its
+  ring many times and its barrier parities carry across items (the small cases above end
+  before a refill). Mixed topk_lens (0, short, full), garbage after them pointing at a NaN
+  page, padding in the middle; a sample of entries against the float64 reference, and all of
+  them against the portable kernel."""
+  b, q_len, h, topk, s = 64, 2, 16, 2048, 64
+  case = Case(seed_of("swapab-long"), batch=b, q_len=q_len, num_heads=h, topk=topk, num_pages=72,
+              page_size=s, kv_format="fp8_ds_mla", scale_format="arbitrary", dtype=jnp.bfloat16)
+  nan_page = case.num_slots // s - 1
+  kv = nan_page_cache(case, nan_page)
+  idx = np.where(case.indices // s == nan_page, case.indices % s, case.indices).astype(np.int32)
+  rng = np.random.default_rng(5)
+  lens = rng.integers(1, topk + 1, b).astype(np.int32)
+  lens[::7] = topk
+  lens[3] = 0
+  for r in range(b):
+    idx[r, :, lens[r]:] = nan_page * s + 2                  # garbage past topk_lens: never read
+    pad = rng.choice(topk, 9, replace=False)
+    idx[r, 0, pad] = np.array([-1, case.num_slots, -7, INT32_MAX, -1, -1, case.num_slots + 3, -2, -1], np.int32)
+  plan = case.plan("cuda")
+  if _hopper():
+    assert mla_jax.explain(plan, case.query, kv, idx).kernel.kernel == "sm90_swapab"
+  out, lse = run_sparse("cuda", case.query, kv, idx, plan, topk_lens=lens)
+  sel = np.array([0, 3, 7, 22, 45, 63])
+  ref_out, ref_lse = reference_sparse_decode(case.query[sel].astype(np.float32), kv, idx[sel], case.plan("xla"),
+                                             topk_lens=lens[sel])
+  assert_matches(out[sel], lse[sel], ref_out, ref_lse, case.dtype)
+  pout, plse = run_sparse("cuda", case.query, kv, idx, dataclasses.replace(plan, kernel="portable"), topk_lens=lens)
+  assert_matches(out, lse, np.asarray(pout.astype(jnp.float32), np.float64), np.asarray(plse, np.float64),
+                 case.dtype)
+  out2, lse2 = run_sparse("cuda", case.query, kv, idx, plan, topk_lens=lens)
+  np.testing.assert_array_equal(np.asarray(out2.astype(jnp.float32)), np.asarray(out.astype(jnp.float32)))
+  np.testing.assert_array_equal(np.asarray(lse2), np.asarray(lse))

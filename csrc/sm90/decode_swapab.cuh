@@ -544,9 +544,12 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         float a = fmaxf(fabsf(scl[4 * lane + warp]), fabsf(scl[4 * (lane + 32) + warp]));
 #pragma unroll
         for (int o = 1; o < 32; o *= 2) a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, o));
+        // Below the smallest normal float r is taken as 0 (1 / r would be
+        // infinite, and 0 x inf NaN): such values contribute nothing.
         const float r_new = fmaxf(r_run, a);
-        gfac = r_new > 0.f ? r_run / r_new : 1.f;
-        inv_r = r_new > 0.f ? 1.f / r_new : 0.f;
+        const bool normal = r_new >= 1.17549435e-38f;
+        gfac = normal ? r_run / r_new : 1.f;
+        inv_r = normal ? 1.f / r_new : 0.f;
         r_run = r_new;
       }
 

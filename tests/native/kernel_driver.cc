@@ -153,6 +153,11 @@ Case draw_case(std::mt19937_64& rng, const std::string& kernel) {
     c.batch = 1 + rng() % 4;
     c.q_len = 1 + rng() % 2;
     c.topk = pick(rng, {1, 33, 64, 100, 130, 257});
+    if (swapab && rng() % 2) {
+      // Items of many tiles, so that the swap-AB kernel refills its ring.
+      c.batch = 8 + rng() % 17;
+      c.topk = pick(rng, {1000, 2049});
+    }
     c.sink = rng() % 2;
     c.max_num_splits = 0;
   } else {
