@@ -587,8 +587,9 @@ def test_hopper_swapab_long_items():
   requests of up to 32 tiles per partition, so the swap-AB kernel refills every stage of its
   ring many times and its barrier parities carry across items (the small cases above end
   before a refill). Mixed topk_lens (0, short, full), garbage after them pointing at a NaN
-  page, padding in the middle; a sample of entries against the float64 reference, and all of
-  them against the portable kernel."""
+  page, padding in the middle; every entry against the float64 reference (not against the
+  portable kernel, whose cache rounded to bf16 moves lse by up to ~0.025 at this top-k), and a
+  second run bit for bit against the first."""
   b, q_len, h, topk, s = 64, 2, 16, 2048, 64
   case = Case(seed_of("swapab-long"), batch=b, q_len=q_len, num_heads=h, topk=topk, num_pages=72,
               page_size=s, kv_format="fp8_ds_mla", scale_format="arbitrary", dtype=jnp.bfloat16)
@@ -607,13 +608,9 @@ def test_hopper_swapab_long_items():
   if _hopper():
     assert mla_jax.explain(plan, case.query, kv, idx).kernel.kernel == "sm90_swapab"
   out, lse = run_sparse("cuda", case.query, kv, idx, plan, topk_lens=lens)
-  sel = np.array([0, 3, 7, 22, 45, 63])
-  ref_out, ref_lse = reference_sparse_decode(case.query[sel].astype(np.float32), kv, idx[sel], case.plan("xla"),
-                                             topk_lens=lens[sel])
-  assert_matches(out[sel], lse[sel], ref_out, ref_lse, case.dtype)
-  pout, plse = run_sparse("cuda", case.query, kv, idx, dataclasses.replace(plan, kernel="portable"), topk_lens=lens)
-  assert_matches(out, lse, np.asarray(pout.astype(jnp.float32), np.float64), np.asarray(plse, np.float64),
-                 case.dtype)
+  ref_out, ref_lse = reference_sparse_decode(case.query.astype(np.float32), kv, idx, case.plan("xla"),
+                                             topk_lens=lens)
+  assert_matches(out, lse, ref_out, ref_lse, case.dtype)
   out2, lse2 = run_sparse("cuda", case.query, kv, idx, plan, topk_lens=lens)
   np.testing.assert_array_equal(np.asarray(out2.astype(jnp.float32)), np.asarray(out.astype(jnp.float32)))
   np.testing.assert_array_equal(np.asarray(lse2), np.asarray(lse))
