@@ -82,8 +82,11 @@ ffi::Error launch_status(const char* op, const Launch& run, cudaError_t err) {
     return internal_error(op, "the driver could not encode the cache's TMA descriptors that kernel 'sm90_seesaw' "
                               "loads with; plan kernel='sm90_lockstep' or 'portable' avoids them");
   if (err == cudaErrorNotSupported && run.config.kernel == KernelFamily::kSm90SwapAB)
-    return internal_error(op, "the driver could not encode the cache's TMA descriptors that kernel 'sm90_swapab' "
-                              "loads with; plan kernel='sm90_lockstep' or 'portable' avoids them");
+    return internal_error(op, std::string_view(op) == kSparseDecodeOp
+                                  ? "kernel 'sm90_swapab' cannot gather this cache's rows (they must be 16-byte "
+                                    "aligned, pages laid end to end); plan kernel='portable' avoids it"
+                                  : "the driver could not encode the cache's TMA descriptors that kernel "
+                                    "'sm90_swapab' loads with; plan kernel='sm90_lockstep' or 'portable' avoids them");
   return internal_error(op, std::string("kernel launch failed: ") + cudaGetErrorString(err));
 }
 

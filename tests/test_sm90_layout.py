@@ -48,5 +48,5 @@ def test_sm90_layouts_agree_with_cute(tmp_path):
     assert build.returncode == 0, build.stdout + build.stderr
     run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stdout + run.stderr
-    for name in ("bf16", "fp16", "swapab16", "swapab32", "swapab16 fp16", "swapab32 fp16"):
+    for name in ("bf16", "fp16", "swapab16", "swapab32", "swapab16 fp16", "swapab32 fp16", "swapab16 sparse"):
         assert f"{name}: ok" in run.stdout, run.stdout

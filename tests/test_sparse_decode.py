@@ -526,17 +526,33 @@ HOPPER_CASES = [
     (64, 1, 300, "arbitrary", jnp.float16),
     (32, 2, 2048, "pow2", jnp.bfloat16),          # 17-32 heads: one 64-row block, the rows past 32 zero
     (20, 1, 300, "arbitrary", jnp.float16),
+    (16, 1, 2048, "pow2", jnp.bfloat16),          # 16 heads or fewer, bf16 query: the swap-AB kernel
+    (16, 2, 2049, "arbitrary", jnp.bfloat16),
+    (12, 4, 64, "pow2", jnp.bfloat16),
+    (8, 1, 300, "arbitrary", jnp.bfloat16),
+    (1, 1, 1, "arbitrary", jnp.bfloat16),
+    (16, 1, 300, "pow2", jnp.float16),            # fp16 query: the portable kernel
 ]
+
+
+def _hopper_kernel(num_heads, dtype):
+  """The kernel auto-selection picks on an sm_90 GPU for fp8_ds_mla."""
+  if num_heads > 16:
+    return "sm90_lockstep"
+  return "sm90_swapab" if dtype == jnp.bfloat16 else "portable"
 
 
 @GPU
 @pytest.mark.parametrize("kernel", ["auto", "portable"])
 @pytest.mark.parametrize("num_heads,q_len,topk,scale_format,dtype", HOPPER_CASES)
 def test_hopper_fp8_ds_mla(kernel, num_heads, q_len, topk, scale_format, dtype):
-  """More than 16 heads run the sm90 lock-step kernel on an sm_90 GPU (auto),
-  which dequantises the 656-byte rows on chip; padding and out-of-range
-  indices anywhere, topk_lens with garbage (a NaN page) after it, and sinks,
-  against the float64 reference and against the portable kernel."""
+  """On an sm_90 GPU (auto) more than 16 heads run the sm90 lock-step
+  kernel, which dequantises the 656-byte rows on chip, and 16 or fewer with
+  a bf16 query the swap-AB kernel (rows gathered by index, the scales
+  applied to the S^T group sums and the V^T values); padding and
+  out-of-range indices anywhere, topk_lens with garbage (a NaN page) after
+  it, and sinks, against the float64 reference and against the portable
+  kernel."""
   b, s = 3, 64
   case = Case(seed_of("hopper", num_heads, q_len, topk, scale_format), batch=b, q_len=q_len,
               num_heads=num_heads, topk=topk, num_pages=max(40, -(-topk // s) + 8), page_size=s,
@@ -556,10 +572,45 @@ def test_hopper_fp8_ds_mla(kernel, num_heads, q_len, topk, scale_format, dtype):
   sink = np.random.default_rng(3).normal(0.0, 2.0, num_heads).astype(np.float32)
   plan = dataclasses.replace(case.plan("cuda"), kernel=kernel)
   if kernel == "auto" and _hopper():
-    assert mla_jax.explain(plan, case.query, kv, idx).kernel.kernel == "sm90_lockstep"
+    assert mla_jax.explain(plan, case.query, kv, idx).kernel.kernel == _hopper_kernel(num_heads, dtype)
   ref = case.reference(indices=idx, topk_lens=lens, kv_cache=kv, attn_sink=sink)
   out, lse = run_sparse("cuda", case.query, kv, idx, plan, topk_lens=lens, attn_sink=sink)
   assert_matches(out, lse, *ref, case.dtype)
   out2, lse2 = run_sparse("cuda", case.query, kv, idx, plan, topk_lens=lens, attn_sink=sink)
+  np.testing.assert_array_equal(np.asarray(out2.astype(jnp.float32)), np.asarray(out.astype(jnp.float32)))
+  np.testing.assert_array_equal(np.asarray(lse2), np.asarray(lse))
+
+
+@GPU
+def test_hopper_swapab_long_items():
+  """Items of many tiles: 64 entries x q_len 2 with top-k 2048 give the scheduler whole
+  requests of up to 32 tiles per partition, so the swap-AB kernel refills every stage of its
+  ring many times and its barrier parities carry across items (the small cases above end
+  before a refill). Mixed topk_lens (0, short, full), garbage after them pointing at a NaN
+  page, padding in the middle; every entry against the float64 reference (not against the
+  portable kernel, whose cache rounded to bf16 moves lse by up to ~0.025 at this top-k), and a
+  second run bit for bit against the first."""
+  b, q_len, h, topk, s = 64, 2, 16, 2048, 64
+  case = Case(seed_of("swapab-long"), batch=b, q_len=q_len, num_heads=h, topk=topk, num_pages=72,
+              page_size=s, kv_format="fp8_ds_mla", scale_format="arbitrary", dtype=jnp.bfloat16)
+  nan_page = case.num_slots // s - 1
+  kv = nan_page_cache(case, nan_page)
+  idx = np.where(case.indices // s == nan_page, case.indices % s, case.indices).astype(np.int32)
+  rng = np.random.default_rng(5)
+  lens = rng.integers(1, topk + 1, b).astype(np.int32)
+  lens[::7] = topk
+  lens[3] = 0
+  for r in range(b):
+    idx[r, :, lens[r]:] = nan_page * s + 2                  # garbage past topk_lens: never read
+    pad = rng.choice(topk, 9, replace=False)
+    idx[r, 0, pad] = np.array([-1, case.num_slots, -7, INT32_MAX, -1, -1, case.num_slots + 3, -2, -1], np.int32)
+  plan = case.plan("cuda")
+  if _hopper():
+    assert mla_jax.explain(plan, case.query, kv, idx).kernel.kernel == "sm90_swapab"
+  out, lse = run_sparse("cuda", case.query, kv, idx, plan, topk_lens=lens)
+  ref_out, ref_lse = reference_sparse_decode(case.query.astype(np.float32), kv, idx, case.plan("xla"),
+                                             topk_lens=lens)
+  assert_matches(out, lse, ref_out, ref_lse, case.dtype)
+  out2, lse2 = run_sparse("cuda", case.query, kv, idx, plan, topk_lens=lens)
   np.testing.assert_array_equal(np.asarray(out2.astype(jnp.float32)), np.asarray(out.astype(jnp.float32)))
   np.testing.assert_array_equal(np.asarray(lse2), np.asarray(lse))

@@ -176,8 +176,14 @@ Selection select_kernel(const DecodeFacts& f, const KernelConfig& requested, std
   // The swap-AB kernel: a dense e4m3 cache TMA loads tile by tile (its
   // boxes land the raw bytes), 32 query rows or fewer (wgmma's N). It is
   // chosen before the lock-step kernel (docs/perf.md, "FP8 caches").
-  const bool swapab = tma_tiles && f.kv_format == KvFormat::kPlain && f.kv_type == ElemType::kFP8E4M3 &&
-                      f.kv_pages_contiguous && rows <= kSwapAbMaxRows;
+  // Its sparse form: fp8_ds_mla rows gathered by index (cp.async, 16-byte
+  // aligned), a bf16 query, 16 heads or fewer.
+  const bool swapab_sparse = f.op == DecodeOp::kSparse && f.kv_format == KvFormat::kFp8DsMla &&
+                             f.q_type == ElemType::kBF16 && f.kv_pages_contiguous && f.kv_aligned &&
+                             rows <= kSwapAbSparseMaxRows;
+  const bool swapab = (tma_tiles && f.kv_format == KvFormat::kPlain && f.kv_type == ElemType::kFP8E4M3 &&
+                       f.kv_pages_contiguous && rows <= kSwapAbMaxRows) ||
+                      swapab_sparse;
 
   // 1. The decode kernel.
   if (c.kernel == KernelFamily::kAuto) {
@@ -193,6 +199,10 @@ Selection select_kernel(const DecodeFacts& f, const KernelConfig& requested, std
       note([&] { return std::string(!f.kv_pages_contiguous ? "kernel: portable (the cache's pages are not laid end to end)"
                : fp8 ? "kernel: portable (FP8 cache rows not 16-byte aligned)"
                      : "kernel: portable (the cache's dtype differs from the query's)"); });
+    } else if (swapab_sparse) {
+      c.kernel = KernelFamily::kSm90SwapAB;
+      note([&] { return std::string("kernel: sm90_swapab (sm_90, sparse decode over fp8_ds_mla rows with a bf16 query and " +
+           std::to_string(rows) + " heads: the rows gathered by index, tokens as wgmma's M, the heads as its N)"); });
     } else if (swapab) {
       c.kernel = KernelFamily::kSm90SwapAB;
       note([&] { return std::string("kernel: sm90_swapab (sm_90, a float8_e4m3fn cache with page_size a multiple of 64 and " +
@@ -229,7 +239,9 @@ Selection select_kernel(const DecodeFacts& f, const KernelConfig& requested, std
       if (c.kernel == KernelFamily::kSm90SwapAB && !swapab)
         return fail("kernel 'sm90_swapab' serves paged decode over a float8_e4m3fn cache with page_size a multiple "
                     "of 64, pages laid end to end, 16-byte aligned rows and at most " +
-                    std::to_string(kSwapAbMaxRows) + " query rows per request (q_len x heads), only");
+                    std::to_string(kSwapAbMaxRows) + " query rows per request (q_len x heads), and sparse decode "
+                    "over fp8_ds_mla rows (pages laid end to end, 16-byte aligned) with a bf16 query and at most " +
+                    std::to_string(kSwapAbSparseMaxRows) + " heads, only");
       if (c.kernel == KernelFamily::kSm90Seesaw && !tma)
         return fail("kernel 'sm90_seesaw' needs TMA loads: paged decode with page_size a multiple of 64 and "
                     "16-byte aligned cache rows");

@@ -73,6 +73,8 @@ bool parse_config(std::string_view text, KernelConfig* config, std::string* why)
 
 // Query rows per request up to which the swap-AB kernel serves a call.
 constexpr int kSwapAbMaxRows = 32;
+// Its sparse form (fp8_ds_mla, bf16 query): heads per request.
+constexpr int kSwapAbSparseMaxRows = 16;
 
 // Rows of the portable kernel's row block for `rows` query rows per request.
 constexpr int portable_rows_per_cta(int64_t rows) { return rows <= 16 ? 16 : rows <= 32 ? 32 : 64; }

@@ -1,7 +1,9 @@
 // Instantiation: the swap-AB kernel (decode_swapab.cuh) for a float8_e4m3fn
 // cache with one kv_scale, bf16 or fp16 query, 16 query rows per CTA (up to
 // 16 rows per request) or 32 (17 to 32 rows; the warpgroups split S^T by
-// query rows and O^T by features).
+// query rows and O^T by features); and for sparse decode over fp8_ds_mla
+// rows gathered by index (bf16 query, up to 16 rows per request,
+// swapab_traits.h kSparse).
 #include "csrc/sm90/api.h"
 #include "csrc/sm90/decode_swapab.cuh"
 #include "csrc/smxx/api.h"
@@ -13,9 +15,11 @@ namespace {
 template <typename Tr>
 cudaError_t launch_swapab(const PagedDecodeParams& p, const DecodeWorkspace& ws, const SplitSchedule& schedule,
                           cudaStream_t stream) {
-  KvTma tma;
-  make_kv_tma_fp8(p, &tma);
-  if (!tma.enabled) return cudaErrorNotSupported;
+  KvTma tma;  // unused by the sparse instantiation (cp.async gathers)
+  if constexpr (!Tr::kSparse) {
+    make_kv_tma_fp8(p, &tma);
+    if (!tma.enabled) return cudaErrorNotSupported;
+  }
   const void* kernel = reinterpret_cast<const void*>(decode_swapab_kernel<Tr>);
   cudaError_t err = smxx::set_max_dynamic_smem_once(kernel, Tr::kSmemAlloc);
   if (err != cudaSuccess) return err;
@@ -35,6 +39,18 @@ cudaError_t run_decode_fp8_swapab(const PagedDecodeParams& params, const DecodeW
   // select_kernel routes only such calls here; the kernel addresses cache
   // row page * page_size + slot with the token stride alone.
   const int rows = params.rows_per_request();
+  if (params.indices != nullptr) {
+    // Sparse fp8_ds_mla: rows addressed as index * token stride, copied in
+    // 16-byte chunks.
+    if (rows > 16 || params.kv_format != KvFormat::kFp8DsMla || params.q_type != ElemType::kBF16 ||
+        params.ckv_page_stride != int64_t{params.page_size} * params.ckv_token_stride ||
+        params.kpe_page_stride != int64_t{params.page_size} * params.kpe_token_stride ||
+        reinterpret_cast<uintptr_t>(params.ckv) % 16 != 0 || reinterpret_cast<uintptr_t>(params.kpe) % 16 != 0 ||
+        params.ckv_token_stride % 16 != 0 || params.kpe_token_stride % 16 != 0)
+      return cudaErrorNotSupported;
+    return launch_swapab<SwapAbTraits<__nv_bfloat16, 16, kSwapAbWarpgroups, kSwapAbStages, true>>(params, ws, schedule,
+                                                                                                  stream);
+  }
   if (rows > 32 || params.kv_type != ElemType::kFP8E4M3 ||
       params.kv_format != KvFormat::kPlain ||
       params.ckv_page_stride != int64_t{params.page_size} * params.ckv_token_stride ||

@@ -55,6 +55,54 @@ __device__ __forceinline__ void e4m3x4_to_f16x2(uint32_t w, uint32_t& lo, uint32
 
 __device__ __forceinline__ uint4 lds128(const char* p) { return *reinterpret_cast<const uint4*>(p); }
 
+// 4 bytes global -> shared, zero-filled when !pred (the source is not read).
+__device__ __forceinline__ void cp_async_4(void* smem, const void* gmem, bool pred) {
+  cute::SM80_CP_ASYNC_CACHEALWAYS_ZFILL<uint32_t>::copy(*static_cast<const uint32_t*>(gmem),
+                                                         *static_cast<uint32_t*>(smem), pred);
+}
+
+// Sparse: the cache row of position pos of a request (index row `table`),
+// or -1: past the item's end, -1 padding or out of range (never read,
+// masked out).
+__device__ __forceinline__ int sparse_row(const PagedDecodeParams& p, const int32_t* table, int pos,
+                                          int64_t tok_end) {
+  if (pos >= tok_end) return -1;
+  const int idx = table[pos];
+  return (idx >= 0 && int64_t{idx} < int64_t{p.num_pages} * p.page_size) ? idx : -1;
+}
+
+// Sparse: lane `lane` of warp `warp`'s share of a tile into `stage`
+// (tokens lane and lane + 32, rows[i] their cache rows or -1): the warp's
+// ckv box, its group's scale, and kpe chunks 2 warp and 2 warp + 1, zero
+// where rows[i] < 0; then one arrival on `bar` once the copies have landed.
+// Only this warp reads those ckv bytes and that scale after the S^T step
+// (so it may refill them once its O^T step is done), and everyone's S^T
+// reads of kpe and the scales are over at the barrier of step 2.
+template <typename Tr>
+__device__ __forceinline__ void sparse_gather(const PagedDecodeParams& p, char* stage, uint64_t* bar, int warp, int lane,
+                                              const int (&rows)[2]) {
+  const char* ckv = static_cast<const char*>(p.ckv);
+  const char* kpe = static_cast<const char*>(p.kpe);
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int tok = lane + 32 * i;
+    const bool live = rows[i] >= 0;
+    const int64_t r = live ? rows[i] : 0;
+    const char* src = ckv + r * p.ckv_token_stride;
+    char* box = stage + warp * Tr::kCkvBoxBytes + tok * 128;
+#pragma unroll
+    for (int c = 0; c < 8; ++c) smxx::cp_async_16(box + ((c ^ (tok & 7)) << 4), src + 128 * warp + 16 * c, live);
+#pragma unroll
+    for (int cc = 0; cc < 2; ++cc) {
+      const int c = 2 * warp + cc;
+      smxx::cp_async_16(stage + Tr::kRopeOffset + tok * 128 + ((c ^ (tok & 7)) << 4),
+                        kpe + r * p.kpe_token_stride + 16 * c, live);
+    }
+    cp_async_4(stage + Tr::kScaleOffset + tok * 16 + 4 * warp, src + kDsMlaScaleOffset + 4 * warp, live);
+  }
+  cutlass::arch::cpasync_barrier_arrive_noinc(bar);
+}
+
 template <typename Tr>
 __global__ void __launch_bounds__(Tr::kThreads, 1)
     decode_swapab_kernel(const PagedDecodeParams p, const DecodeWorkspace ws, const __grid_constant__ KvTma tma) {
@@ -69,6 +117,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   constexpr int kN = Tr::kN, kBlockN = Tr::kBlockN, kCols = Tr::kColsPerThread;
   constexpr int kOVals = kN / 2;  // O^T accumulator values per thread and m-block
   constexpr bool kSplit = Tr::kSplitO;
+  constexpr bool kSparse = Tr::kSparse;
   constexpr int kColsS = Tr::kColsPerThreadS, kSVals = Tr::kNq / 2;  // the same for S^T (one query part)
   constexpr int kOFeat = Tr::kOFeatures, kMBlocks = kOFeat / 64;
   constexpr float kLn2 = 0.6931471805599453f;
@@ -102,7 +151,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 
   char* const q_slab = smem + Tr::kSmemQ + (kSplit ? wg : 0) * Tr::kQSlabBytes;
   Tensor sQn = make_tensor(make_smem_ptr(reinterpret_cast<ElemS*>(q_slab)), typename Tr::LayoutQn{});
-  Tensor sQr = make_tensor(make_smem_ptr(reinterpret_cast<ElemS*>(q_slab + Tr::kQRopeOffset)), typename Tr::LayoutQr{});
+  using ElemR = typename Tr::ElemR;
+  Tensor sQr = make_tensor(make_smem_ptr(reinterpret_cast<ElemR*>(q_slab + Tr::kQRopeOffset)), typename Tr::LayoutQr{});
   auto mma = make_tiled_mma(typename Tr::MmaO{});
   auto thr = mma.get_thread_slice(wg_tid);
   auto mma_s = make_tiled_mma(typename Tr::MmaS{});
@@ -112,9 +162,12 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     return thr.partition_fragment_B(
         make_tensor(make_smem_ptr(reinterpret_cast<Elem*>(smem + Tr::kSmemP + buf * Tr::kPBytes)), typename Tr::LayoutP{}));
   };
-  // (MMA, 1, 16) and (MMA, 1, 2) descriptors.
+  // The kpe part's S^T: MmaS (dense) or a bf16 m64n16k16 (sparse).
+  auto mma_r = make_tiled_mma(typename Tr::MmaSr{});
+  auto thr_r = mma_r.get_thread_slice(wg_tid);
+  // (MMA, 1, 16) and (MMA, 1, kRopeSteps) descriptors.
   Tensor tSrQn = thr_s.partition_fragment_B(sQn);
-  Tensor tSrQr = thr_s.partition_fragment_B(sQr);
+  Tensor tSrQr = thr_r.partition_fragment_B(sQr);
   // S^T of the query's e4m3 parts: element e + j kSVals (e < kSVals) is
   // column (slab row) col(e)'s part j.
   Tensor tSacc = partition_fragment_C(mma_s, Shape<_64, Int<Tr::kNS>>{});
@@ -139,7 +192,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   // Arrivals per stage phase: with kN = 16 each of the owner's four warps
   // refills the ckv box it alone reads (warp 0 also the kpe box); with
   // kN = 32 one warp refills the whole stage.
-  constexpr int kArrivals = kSplit ? 1 : 4;
+  // kN = 32 one warp refills the whole stage; sparse: every lane of the
+  // owner's four warps arrives once its cp.async copies have landed.
+  constexpr int kArrivals = kSparse ? 128 : kSplit ? 1 : 4;
   if (tid == 0) {
 #pragma unroll
     for (int i = 0; i < kS; ++i) {
@@ -158,7 +213,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     const DecodeItem it = load_item<kBlockN>(p, ws, item);
     const int64_t tok_end = it.tok_end;
     const int tile_begin = it.tile_begin, num_tiles = it.num_tiles;
-    const int32_t* table = p.block_table + static_cast<int64_t>(it.b) * p.max_pages_per_seq;
+    // Dense: the request's block-table row; sparse: its index row.
+    const int32_t* table = kSparse ? p.indices + static_cast<int64_t>(it.b) * p.topk
+                                   : p.block_table + static_cast<int64_t>(it.b) * p.max_pages_per_seq;
 
     __syncthreads();  // the previous item is done with every buffer
     if (tid == 0) *s_bad_page = 0;
@@ -189,7 +246,20 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         cute::SM90_TMA_LOAD_2D::copy(&tma.ckv, bar, hint, dst + box * Tr::kCkvBoxBytes, box * 128, row);
       if (with_kpe) cute::SM90_TMA_LOAD_2D::copy(&tma.kpe, bar, hint, dst + Tr::kRopeOffset, 0, row);
     };
-    if (tid == 0) {
+    // Sparse: the cache row of token tok of tile t, and this lane's share
+    // of tile t into its stage (macros rather than lambdas: a closure over
+    // the kernel's locals, even unused, changes the dense kernels' code).
+#define MLA_SPARSE_ROW(t, tok) sparse_row(p, table, (tile_begin + (t)) * kBlockN + (tok), tok_end)
+#define MLA_SPARSE_GATHER(t, rows_of)                                                                      \
+  sparse_gather<Tr>(p, shared + Tr::kSmemKv + ((t) % kS) * Tr::kStageBytes, &kv_full[(t) % kS], warp, lane, \
+                    rows_of)
+    if constexpr (kSparse) {
+      // Each warpgroup fills the stages of its own first tiles.
+      for (int t = wg; t < kS && t < num_tiles; t += kW) {
+        const int rows_of[2] = {MLA_SPARSE_ROW(t, lane), MLA_SPARSE_ROW(t, lane + 32)};
+        MLA_SPARSE_GATHER(t, rows_of);
+      }
+    } else if (tid == 0) {
       for (int t = 0; t < kS && t < num_tiles; ++t) {
         const int entry = fetch_entry(t);
         if constexpr (kSplit) {
@@ -266,6 +336,20 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       for (int n = 0; n < 9; ++n) {
         const int ch = lane8 + 8 * n;
         const uint32_t w4[4] = {raw[n].x, raw[n].y, raw[n].z, raw[n].w};
+        if constexpr (kSparse) {
+          if (n == 8) {
+            // The kpe part (chunks 64..71) in bf16, times 2^shift (exact).
+            uint32_t h[4];
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+              const float2 f = to_float2(w4[k]);
+              h[k] = smxx::pack2<__nv_bfloat16>(ldexpf(f.x, shift), ldexpf(f.y, shift));
+            }
+            *reinterpret_cast<uint4*>(slab + Tr::kQRopeOffset + kmajor_offset<Tr::kNq>(slab_row, 8 * (ch - 64))) =
+                make_uint4(h[0], h[1], h[2], h[3]);
+            continue;
+          }
+        }
         uint32_t part[Tr::kQTerms][2] = {};
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
@@ -311,6 +395,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       l_part[ci] = 0.f;
     }
     clear(tOrO);
+    float r_run = 0.f;  // sparse: see step 2
 
     const int tok_row0 = 16 * warp + g;  // this thread's S^T token rows: tok_row0, tok_row0 + 8
     // Every consumer of a stage has waited on each of its earlier phases
@@ -321,8 +406,24 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       const char* stage = shared + Tr::kSmemKv + j * Tr::kStageBytes;
       // The refill's page, looked up early by whoever may issue it.
       int next_entry = 0;
-      if (lane == 0 && t + kS < num_tiles) next_entry = fetch_entry(t + kS);
+      // Sparse: the refill's rows (this lane's two tokens), and whether the
+      // S^T rows of this thread (tokens tok_row0, tok_row0 + 8) are live.
+      int next_rows[2] = {-1, -1};
+      bool tok_live[2] = {true, true};
+      if constexpr (kSparse) {
+        if (t + kS < num_tiles) {
+          next_rows[0] = MLA_SPARSE_ROW(t + kS, lane);
+          next_rows[1] = MLA_SPARSE_ROW(t + kS, lane + 32);
+        }
+        tok_live[0] = MLA_SPARSE_ROW(t, tok_row0) >= 0;
+        tok_live[1] = MLA_SPARSE_ROW(t, tok_row0 + 8) >= 0;
+      } else {
+        if (lane == 0 && t + kS < num_tiles) next_entry = fetch_entry(t + kS);
+      }
       FullBarrier::wait(&kv_full[j], ((stage_parity >> j) ^ static_cast<uint32_t>(t / kS)) & 1u);
+      // Sparse: the stage was written by cp.async (generic proxy) and the
+      // S^T wgmmas read it through the async proxy.
+      if constexpr (kSparse) fence_smem_for_wgmma();
 
       // 1. S^T = K Q^T over the 18 k-steps (16 of ckv, then 2 of kpe) for
       // the warpgroup's rows, straight from the stage. The FP8 products
@@ -331,7 +432,68 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       // groups of kSGroupSteps k-steps, each from zero, added up in float
       // registers (the query's parts together), in two accumulators so
       // that a group's wgmmas run while the previous group is added.
-      {
+      if constexpr (kSparse) {
+        // Sparse: the kpe part (bf16, four k-steps) first, then the ckv
+        // part in eight chains of two k-steps, chain c in scale group c / 2;
+        // each chain's sum (the query's parts together) times the token's
+        // scale of its group is added in float registers.
+        Tensor sKn = make_tensor(make_smem_ptr(reinterpret_cast<const ElemS*>(stage)), typename Tr::LayoutKn{});
+        Tensor sKr = make_tensor(make_smem_ptr(reinterpret_cast<const ElemR*>(stage + Tr::kRopeOffset)),
+                                 typename Tr::LayoutKr{});
+        Tensor tSrKn = thr_s.partition_fragment_A(sKn);  // (MMA, 1, 16) descriptors
+        Tensor tSrKr = thr_r.partition_fragment_A(sKr);  // (MMA, 1, 4)
+        Tensor tRacc = partition_fragment_C(mma_r, Shape<_64, Int<Tr::kNq>>{});
+        static_assert(decltype(size(tRacc))::value == kSVals);
+        warpgroup_fence_operand(tRacc);
+        warpgroup_arrive();
+#pragma unroll
+        for (int k = 0; k < Tr::kRopeSteps; ++k) {
+          mma_r.accumulate_ = k == 0 ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
+          gemm(mma_r, tSrKr(_, _, k), tSrQr(_, _, k), tRacc);
+        }
+        warpgroup_commit_batch();
+        auto issue = [&](int c, auto& acc) __attribute__((always_inline)) {
+          warpgroup_fence_operand(acc);
+          warpgroup_arrive();
+#pragma unroll
+          for (int k = 2 * c; k < 2 * c + 2; ++k) {
+            mma_s.accumulate_ = k == 2 * c ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
+            gemm(mma_s, tSrKn(_, _, k), tSrQn(_, _, k), acc);
+          }
+          warpgroup_commit_batch();
+        };
+        // The scales [group] of this thread's two tokens.
+        const float4 sc[2] = {*reinterpret_cast<const float4*>(stage + Tr::kScaleOffset + tok_row0 * 16),
+                              *reinterpret_cast<const float4*>(stage + Tr::kScaleOffset + (tok_row0 + 8) * 16)};
+        auto scale_of = [&](int half, int grp) {
+          const float4 v = sc[half];
+          return grp == 0 ? v.x : grp == 1 ? v.y : grp == 2 ? v.z : v.w;
+        };
+        auto add = [&](int c, auto& acc) __attribute__((always_inline)) {
+          warpgroup_fence_operand(acc);
+#pragma unroll
+          for (int e = 0; e < kSVals; ++e) {
+            float v = acc(e);
+#pragma unroll
+            for (int jq = 1; jq < Tr::kQTerms; ++jq) v += acc(e + jq * kSVals) * (jq == 1 ? 0.0625f : 0.00390625f);
+            tSrS(e) += v * scale_of((e >> 1) & 1, c / 2);
+          }
+        };
+        issue(0, tSacc);
+#pragma unroll
+        for (int c = 1; c < 8; ++c) {
+          if (c % 2) issue(c, tSacc2); else issue(c, tSacc);
+          warpgroup_wait<1>();
+          if (c == 1) {
+            warpgroup_fence_operand(tRacc);
+#pragma unroll
+            for (int e = 0; e < kSVals; ++e) tSrS(e) = tRacc(e);
+          }
+          if (c % 2) add(c - 1, tSacc); else add(c - 1, tSacc2);
+        }
+        warpgroup_wait<0>();
+        add(7, tSacc2);
+      } else {
         constexpr int kG = Tr::kSGroupSteps, kGroups = (Tr::kSSteps + kG - 1) / kG;
         Tensor sKn = make_tensor(make_smem_ptr(reinterpret_cast<const ElemS*>(stage)), typename Tr::LayoutKn{});
         Tensor sKr = make_tensor(make_smem_ptr(reinterpret_cast<const ElemS*>(stage + Tr::kRopeOffset)),
@@ -372,10 +534,28 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         warpgroup_wait<0>();
         if ((kGroups - 1) % 2) add(kGroups - 1, tSacc2); else add(kGroups - 1, tSacc);
       }
+      // Sparse: the largest |scale| of this warp's group (warp) over the
+      // tile, and the running one (r_run): V^T is converted times
+      // scale / r_run, so O^T is in units of r_run, and a larger one
+      // rescales O^T by the ratio (gfac) with the softmax factors.
+      float gfac = 1.f, inv_r = 0.f;
+      if constexpr (kSparse) {
+        const float* scl = reinterpret_cast<const float*>(stage + Tr::kScaleOffset);
+        float a = fmaxf(fabsf(scl[4 * lane + warp]), fabsf(scl[4 * (lane + 32) + warp]));
+#pragma unroll
+        for (int o = 1; o < 32; o *= 2) a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, o));
+        // Below the smallest normal float r is taken as 0 (1 / r would be
+        // infinite, and 0 x inf NaN): such values contribute nothing.
+        const float r_new = fmaxf(r_run, a);
+        const bool normal = r_new >= 1.17549435e-38f;
+        gfac = normal ? r_run / r_new : 1.f;
+        inv_r = normal ? 1.f / r_new : 0.f;
+        r_run = r_new;
+      }
 
       // 2. Column maxima (masked, scaled).
       const int tok0 = (tile_begin + t) * kBlockN;
-      const bool all_visible = tok0 + kBlockN <= min_limit;
+      const bool all_visible = !kSparse && tok0 + kBlockN <= min_limit;
       float tmax[kColsS];
 #pragma unroll
       for (int ci = 0; ci < kColsS; ++ci) tmax[ci] = -INFINITY;
@@ -394,7 +574,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         for (int e = 0; e < kSVals; ++e) {
           const int ci = col_index(e);
           float v = tSrS(e) * col_scale[ci];
-          if (tok0 + tok_row0 + 8 * ((e >> 1) & 1) >= limit[ci]) v = -INFINITY;
+          if (tok0 + tok_row0 + 8 * ((e >> 1) & 1) >= limit[ci] || (kSparse && !tok_live[(e >> 1) & 1])) v = -INFINITY;
           tSrS(e) = v;
           tmax[ci] = fmaxf(tmax[ci], v);
         }
@@ -462,6 +642,13 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 #pragma unroll
           for (int i = 0; i < size(tOrO); ++i) tOrO(i) *= co[col_index(i % kOVals)];
         }
+      } else if constexpr (kSparse) {
+        if (__any_sync(0xffffffffu, rescale || gfac != 1.f)) {
+#pragma unroll
+          for (int i = 0; i < size(tOrO); ++i) tOrO(i) *= c[col_index(i % kOVals)] * gfac;
+        }
+        fence_smem_for_wgmma();
+        NamedBarrier::sync(128, wg);  // P^T is complete (and every thread read `red`)
       } else {
         if (__any_sync(0xffffffffu, rescale)) {
 #pragma unroll
@@ -507,6 +694,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       // Words of m-blocks 2q and 2q + 1 of the V^T fragment from the raw
       // bytes' word q: bytes (token a, token a + 1) of features 4q + {0, 1}
       // and 4q + {2, 3}.
+      // Sparse: sv[0] / sv[1] are the fp16 pairs scale / r_run of tokens
+      // (a, a + 1) and (a + 8, a + 9) in this warp's group.
+      uint32_t sv[2] = {0u, 0u};
       auto convert_pair = [&](const VRaw& x, int q, auto& frag) __attribute__((always_inline)) {
         auto words = recast<uint32_t>(frag);  // word u of m-block mb at u + 4 mb
         const uint32_t lo01 = __byte_perm(x[0][q], x[1][q], 0x5140), hi01 = __byte_perm(x[0][q], x[1][q], 0x7362);
@@ -516,6 +706,14 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         e4m3x4_to_f16x2(lo23, w[2], w[3]);
         e4m3x4_to_f16x2(hi01, w[4], w[5]);
         e4m3x4_to_f16x2(hi23, w[6], w[7]);
+        if constexpr (kSparse) {
+#pragma unroll
+          for (int u = 0; u < 8; ++u) {
+            const __half2 r = __hmul2(*reinterpret_cast<const __half2*>(&w[u]),
+                                      *reinterpret_cast<const __half2*>(&sv[(u >> 1) & 1]));
+            w[u] = *reinterpret_cast<const uint32_t*>(&r);
+          }
+        }
 #pragma unroll
         for (int u = 0; u < 8; ++u) words(4 * (2 * q + u / 4) + u % 4) = w[u];
       };
@@ -531,6 +729,14 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         mma.accumulate_ = GMMA::ScaleOut::One;
 #pragma unroll
         for (int js = 0; js < 4; ++js) {
+          if constexpr (kSparse) {
+            const float* scl = reinterpret_cast<const float*>(stage + Tr::kScaleOffset);
+            const int a = 16 * js + 2 * quad;
+            const __half2 lo = __floats2half2_rn(scl[4 * a + warp] * inv_r, scl[4 * (a + 1) + warp] * inv_r);
+            const __half2 hi = __floats2half2_rn(scl[4 * (a + 8) + warp] * inv_r, scl[4 * (a + 9) + warp] * inv_r);
+            sv[0] = *reinterpret_cast<const uint32_t*>(&lo);
+            sv[1] = *reinterpret_cast<const uint32_t*>(&hi);
+          }
 #pragma unroll
           for (int q = 0; q < kVWords; ++q) {
             if (js > 0) warpgroup_wait<kVWords - 1>();
@@ -539,7 +745,12 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             if (q == kVWords - 1 && js < 3) load_v(js + 1, raw, tail);
             // kN = 16: this warp has read its box for the last time (the
             // S^T wgmmas, which read every box, are done): step 5 for it.
-            if constexpr (!kSplit) {
+            if constexpr (kSparse) {
+              if (q == kVWords - 1 && js == 3) {
+                __syncwarp();
+                if (t + kS < num_tiles) MLA_SPARSE_GATHER(t + kS, next_rows);
+              }
+            } else if constexpr (!kSplit) {
               if (q == kVWords - 1 && js == 3) {
                 __syncwarp();
                 if (lane == 0 && t + kS < num_tiles) issue_boxes(t + kS, next_entry, warp, 1, warp == 0);
@@ -673,7 +884,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         for (int w = 0; w < kW; ++w) {
           const float mw = sMax[w * kN + col];
           const float f = mw == -INFINITY ? 0.f : fast_exp2(mw - mx);
-          if (w == wg) own_factor[ci] = f;
+          if (w == wg) own_factor[ci] = kSparse ? f * r_run : f;  // sparse: O^T is in units of r_run
 #pragma unroll
           for (int k = 0; k < 4; ++k) total += sRed[(w * 4 + k) * kN + col] * f;
         }
@@ -703,6 +914,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     // the barrier that starts it.
     fence_smem_for_wgmma();
   }
+#undef MLA_SPARSE_ROW
+#undef MLA_SPARSE_GATHER
 #endif  // sm_90a
 }
 

@@ -16,7 +16,10 @@
 //     LayoutKr) are the TMA boxes' bytes; its register A operand (m64k16)
 //     and its accumulators hold, in element e of thread t, row
 //     accumulator_row_base(t) + 8 * ((e / 2) % 2) and column (k)
-//     accumulator_col(t, e), the mapping its conversions fill them by.
+//     accumulator_col(t, e), the mapping its conversions fill them by;
+//     its sparse form's bf16 kpe operands (LayoutKr, LayoutQr) are where
+//     the cp.async gathers and kmajor_offset() put them, and its kpe S^T
+//     accumulator (MmaSr) is laid out as the ckv one.
 // Exit status 0 when every check holds.
 #include <cstdio>
 
@@ -124,10 +127,11 @@ int check_swapab(const char* name) {
   }
   // The FP8 query operand (LayoutQn, then LayoutQr) is where
   // query_fp8_offset() writes it.
+  using ElemR = typename Tr::ElemR;
   auto sQn = make_tensor(make_smem_ptr(buf8), typename Tr::LayoutQn{});
-  auto sQr = make_tensor(make_smem_ptr(buf8 + Tr::kQRopeOffset), typename Tr::LayoutQr{});
+  auto sQr = make_tensor(make_smem_ptr(reinterpret_cast<ElemR*>(buf8 + Tr::kQRopeOffset)), typename Tr::LayoutQr{});
   for (int r = 0; r < kNS; ++r) {
-    for (int k = 0; k < Tr::kDimQK; ++k) {
+    for (int k = 0; k < (Tr::kSparse ? 512 : Tr::kDimQK); ++k) {
       const long at = k < 512 ? reinterpret_cast<const char*>(&sQn(r, k)) - base8
                               : reinterpret_cast<const char*>(&sQr(r, k - 512)) - base8;
       if (at != mla_jax::sm90::query_fp8_offset<kNS>(r, k) && bad++ < 5)
@@ -135,18 +139,32 @@ int check_swapab(const char* name) {
                     mla_jax::sm90::query_fp8_offset<kNS>(r, k));
     }
   }
+  if constexpr (Tr::kSparse) {
+    // The bf16 kpe part of the query: kNq rows, written at kmajor_offset().
+    for (int r = 0; r < Tr::kNq; ++r) {
+      for (int k = 0; k < Tr::kDimRope; ++k) {
+        const long at = reinterpret_cast<const char*>(&sQr(r, k)) - base8;
+        const long want = Tr::kQRopeOffset + mla_jax::sm90::kmajor_offset<Tr::kNq>(r, k);
+        if (at != want && bad++ < 5) std::printf("%s: Q rope(%d, %d) at %ld, expected %ld\n", name, r, k, at, want);
+      }
+    }
+  }
   // The stage as the S^T A operand (LayoutKn, LayoutKr) is the bytes the
   // TMA boxes write: ckv box f / 128 with 16-byte chunk c of row r at
   // c ^ (r % 8) (SWIZZLE_128B), the kpe box with chunk c at c ^ ((r / 2) % 4)
   // (SWIZZLE_64B: address bits 4-5 XOR bits 7-8).
   auto sKn = make_tensor(make_smem_ptr(buf8), typename Tr::LayoutKn{});
-  auto sKr = make_tensor(make_smem_ptr(buf8 + Tr::kRopeOffset), typename Tr::LayoutKr{});
+  // Sparse: the kpe part is bf16, 16-byte chunk c (8 values) of token r at
+  // r * 128 + (c ^ (r % 8)) * 16, where the gathers write it.
+  auto sKr = make_tensor(make_smem_ptr(reinterpret_cast<ElemR*>(buf8 + Tr::kRopeOffset)), typename Tr::LayoutKr{});
   for (int r = 0; r < Tr::kBlockN; ++r) {
     for (int f = 0; f < Tr::kDimQK; ++f) {
       const long at = f < 512 ? reinterpret_cast<const char*>(&sKn(r, f)) - base8
                               : reinterpret_cast<const char*>(&sKr(r, f - 512)) - base8;
+      const int fr = f - 512;
       const long want = f < 512 ? (f / 128) * Tr::kCkvBoxBytes + r * 128 + ((((f / 16) % 8) ^ (r % 8)) * 16) + f % 16
-                                : Tr::kRopeOffset + r * 64 + (((((f - 512) / 16) % 4) ^ ((r / 2) % 4)) * 16) + f % 16;
+                        : Tr::kSparse ? Tr::kRopeOffset + r * 128 + ((((fr / 8) % 8) ^ (r % 8)) * 16) + (fr % 8) * 2
+                                      : Tr::kRopeOffset + r * 64 + ((((fr / 16) % 4) ^ ((r / 2) % 4)) * 16) + fr % 16;
       if (at != want && bad++ < 5) std::printf("%s: K(%d, %d) at %ld, the TMA box puts it at %ld\n", name, r, f, at, want);
     }
   }
@@ -166,6 +184,9 @@ int check_swapab(const char* name) {
     check(thr.partition_A(make_identity_tensor(Shape<_64, _16>{})), t, "A");
     check(thr.partition_C(make_identity_tensor(Shape<_64, Int<kN>>{})), t, "C");
     check(mma_s.get_thread_slice(t).partition_C(make_identity_tensor(Shape<_64, Int<kNS>>{})), t, "S^T C");
+    check(make_tiled_mma(typename Tr::MmaSr{}).get_thread_slice(t).partition_C(
+              make_identity_tensor(Shape<_64, Int<Tr::kSparse ? Tr::kNq : kNS>>{})),
+          t, "S^T kpe C");
     // The O^T accumulator's m-block mb holds rows 64 mb + the same rows.
     auto o = thr.partition_C(make_identity_tensor(Shape<Int<Tr::kOFeatures>, Int<kN>>{}));
     for (int i = 0; i < int(size(o)); ++i) {
@@ -186,5 +207,7 @@ int main() {
   bad += check_swapab<mla_jax::sm90::SwapAbTraits<__nv_bfloat16, 32>>("swapab32");
   bad += check_swapab<mla_jax::sm90::SwapAbTraits<__half, 16>>("swapab16 fp16");
   bad += check_swapab<mla_jax::sm90::SwapAbTraits<__half, 32>>("swapab32 fp16");
+  bad += check_swapab<mla_jax::sm90::SwapAbTraits<__nv_bfloat16, 16, mla_jax::sm90::kSwapAbWarpgroups,
+                                                  mla_jax::sm90::kSwapAbStages, true>>("swapab16 sparse");
   return bad ? 1 : 0;
 }

@@ -106,13 +106,52 @@ __host__ __device__ __forceinline__ int kmajor_offset(int row, int k) {
 constexpr int kSwapAbWarpgroups = 2;
 constexpr int kSwapAbStages = 4;
 
-template <typename QType_, int kRows_, int kWarpgroups_ = kSwapAbWarpgroups, int kStages_ = kSwapAbStages>
+// kSparse_: DeepSeek V3.2 sparse decode over fp8_ds_mla rows (656 bytes:
+// 512 e4m3 ckv values, four float32 scales, one per 128 values, 64 bf16 kpe
+// values) gathered by top-k index, bf16 query, 16 rows (see below).
+// The kpe part of S^T: its K-major layout for `kRows` rows (64 values each)
+// and its wgmma: e4m3 like the ckv part (dense FP8 cache), or bf16
+// (fp8_ds_mla, sparse).
+template <bool kBf16>
+struct SwapAbRope {
+  template <int kRows>
+  using Layout = decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW64_Atom<cute::float_e4m3_t>{},
+                                              cute::Shape<cute::Int<kRows>, cute::_64>{}));
+  template <int kNq, typename MmaS>
+  using Mma = MmaS;
+};
+template <>
+struct SwapAbRope<true> {
+  template <int kRows>
+  using Layout = decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<cute::bfloat16_t>{},
+                                              cute::Shape<cute::Int<kRows>, cute::_64>{}));
+  template <int kNq, typename MmaS>
+  using Mma = decltype(cute::SM90::GMMA::ss_op_selector<cute::bfloat16_t, cute::bfloat16_t, float,
+                                                        cute::Shape<cute::_64, cute::Int<kNq>, cute::_16>,
+                                                        cute::GMMA::Major::K, cute::GMMA::Major::K>());
+};
+
+template <typename QType_, int kRows_, int kWarpgroups_ = kSwapAbWarpgroups, int kStages_ = kSwapAbStages,
+          bool kSparse_ = false>
 struct SwapAbTraits {
   using QType = QType_;          // __nv_bfloat16 or __half: query and output type
   using Elem = cute::half_t;     // O^T product operand type
-  using ElemS = cute::float_e4m3_t;  // S^T product operand type
+  using ElemS = cute::float_e4m3_t;  // S^T product operand type (ckv part)
+  // The kpe part's: e4m3 (dense FP8 cache) or bf16 (fp8_ds_mla).
+  using ElemR = std::conditional_t<kSparse_, cute::bfloat16_t, cute::float_e4m3_t>;
   static constexpr int kN = kRows_;  // query rows per CTA (O^T wgmma N)
   static_assert(kN == 16 || kN == 32);
+  // Sparse fp8_ds_mla: the rows are gathered by index with cp.async (each
+  // warp its own ckv box, its group's scale and two 16-byte chunks of kpe
+  // of tokens lane and lane + 32); S^T sums each 128-value group (two
+  // chains of two k-steps) times the token's scale of that group, plus the
+  // kpe part as a bf16 product (the query's kpe part in bf16); O^T takes
+  // V^T converted to fp16 times the token's scale over the warp's running
+  // maximum of that scale (a warp's O^T features lie in one group: warp w
+  // holds features 128 w ..). 16 query rows (kN = 32 would need the P^T
+  // of each group apart), bf16 query (the kpe product is bf16).
+  static constexpr bool kSparse = kSparse_;
+  static_assert(!kSparse || (kN == 16 && std::is_same_v<QType, __nv_bfloat16>));
   // e4m3 parts per query row: a bf16 value (8 significant bits) is the sum
   // of two, an fp16 one (11) of three.
   static constexpr int kQTerms = std::is_same_v<QType, __half> ? 3 : 2;
@@ -125,7 +164,8 @@ struct SwapAbTraits {
   static constexpr int kNS = kQTerms * kNq;  // S^T wgmma N: part j of slab row r is B row j kNq + r
   static constexpr int kOFeatures = kSplitO ? 256 : 512;  // O^T rows per warpgroup
   static constexpr int kDimNope = 512, kDimRope = 64, kDimQK = 576;
-  static constexpr int kSSteps = kDimQK / 32;  // S^T k-steps: 16 of ckv, then 2 of kpe
+  static constexpr int kSSteps = kDimQK / 32;  // S^T k-steps (dense): 16 of ckv, then 2 of kpe
+  static constexpr int kRopeSteps = kSparse ? kDimRope / 16 : kDimRope / 32;  // of the kpe part
   // S^T's k-steps per float accumulation group (decode_swapab.cuh, step 1).
   static constexpr int kSGroupSteps = 3;
   static constexpr int kBlockN = 64;  // tokens per KV tile (wgmma M; the scheduler's block)
@@ -138,20 +178,24 @@ struct SwapAbTraits {
 
   // A raw FP8 stage: four 128-byte-swizzled TMA boxes of ckv (64 tokens x
   // 128 features), then the kpe box (64 tokens x 64 bytes, 64-byte-swizzled).
+  // Sparse: the same ckv boxes (written by cp.async at the swizzled
+  // offsets), kpe as a bf16 box (64 tokens x 128 bytes, 128-byte-swizzled),
+  // then the scales [token][group] as float32.
   static constexpr int kCkvBoxBytes = 64 * 128;
   static constexpr int kRopeOffset = 4 * kCkvBoxBytes;
-  static constexpr int kStageBytes = kRopeOffset + 64 * 64;
+  static constexpr int kRopeBytes = 64 * kDimRope * (kSparse ? 2 : 1);
+  static constexpr int kScaleOffset = kRopeOffset + kRopeBytes;
+  static constexpr int kStageBytes = kScaleOffset + (kSparse ? 64 * 16 : 0);
 
   // S^T operands, both K-major e4m3 in shared memory: the stage as the
   // wgmma A operand (the TMA boxes are these layouts) and the query as B.
   using LayoutKn = decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<ElemS>{},
                                                 cute::Shape<cute::Int<kBlockN>, cute::Int<kDimNope>>{}));
-  using LayoutKr = decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW64_Atom<ElemS>{},
-                                                cute::Shape<cute::Int<kBlockN>, cute::Int<kDimRope>>{}));
+  using LayoutKr = typename SwapAbRope<kSparse>::template Layout<kBlockN>;
   using LayoutQn = decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<ElemS>{},
                                                 cute::Shape<cute::Int<kNS>, cute::Int<kDimNope>>{}));
-  using LayoutQr = decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW64_Atom<ElemS>{},
-                                                cute::Shape<cute::Int<kNS>, cute::Int<kDimRope>>{}));
+  // Sparse: the kpe part of the query in bf16, kNq rows (no parts).
+  using LayoutQr = typename SwapAbRope<kSparse>::template Layout<kSparse ? kNq : kNS>;
   // N = 48 (fp16 query) named outright: the default selector would issue
   // three m64n16k32 per k-step, each reading the A tile again.
   using MmaS = std::conditional_t<kNS == 48, cute::SM90::GMMA::MMA_64x48x32_F32E4M3E4M3_SS_TN<>,
@@ -159,6 +203,8 @@ struct SwapAbTraits {
                                            ElemS, ElemS, float, cute::Shape<cute::_64, cute::Int<kNS>, cute::_32>,
                                            cute::GMMA::Major::K, cute::GMMA::Major::K>())>;
   static_assert(cute::size<1>(typename cute::MMA_Traits<MmaS>::Shape_MNK{}) == kNS, "one S^T wgmma per k-step");
+  // The kpe part of S^T: MmaS (dense), or m64n(kNq)k16 bf16 (sparse).
+  using MmaSr = typename SwapAbRope<kSparse>::template Mma<kNq, MmaS>;
   // O^T: P^T (fp16, B) in shared memory.
   using AtomK = cute::GMMA::Layout_K_SW128_Atom<Elem>;
   using LayoutP = decltype(cute::tile_to_shape(AtomK{}, cute::Shape<cute::Int<kN>, cute::Int<kBlockN>>{}));
@@ -168,7 +214,7 @@ struct SwapAbTraits {
 
   // Shared memory, from a 1024-byte aligned base.
   static constexpr int kQRopeOffset = kNS * kDimNope;                 // in a slab: LayoutQn, then LayoutQr
-  static constexpr int kQSlabBytes = kNS * kDimQK;
+  static constexpr int kQSlabBytes = kNS * kDimNope + (kSparse ? kNq * kDimRope * 2 : kNS * kDimRope);
   static constexpr int kSmemQ = 0;                                    // [slab]
   static constexpr int kSmemKv = kSmemQ + kQSlabs * kQSlabBytes;      // [stage]
   // P^T buffers: kN = 16 one per warpgroup, kN = 32 one per tile parity.
