@@ -1,11 +1,16 @@
 #!/usr/bin/env python3
-"""Benchmark of mla_jax.sparse_decode (DeepSeek V3.2 top-k, fp8_ds_mla cache) vs FlashMLA, same run.
+"""Benchmark of mla_jax.sparse_decode (DeepSeek V3.2 top-k) vs FlashMLA, same run.
 
 Rows: B=128 (fewer for q_len 4), top-k random distinct slots from a 65,536-token
-pool (page 64), bf16 query, 656-byte fp8_ds_mla cache (pow2 scales), heads
-128/64 (FlashMLA's sparse decode takes only these) and 32/16 (tensor-parallel
-slices). FLOPs = 2 * B * q_len * K * H * (576 + 512); bytes = B * q_len * K * 656
-(every selected row read once per query token) + B * q_len * H * (576 + 512) * 2.
+pool (page 64), bf16 query, 656-byte fp8_ds_mla cache (pow2 scales; --kv-format
+bf16: 576 bf16 values a row), heads 128/64 (FlashMLA's sparse decode takes only
+these) and 32/16/8 (tensor-parallel slices, FlashMLA run padded to 64 heads).
+FLOPs = 2 * B * q_len * K * H * (576 + 512); bytes = B * q_len * K * 656 (1,152
+for bf16; every selected row read once per query token) + B * q_len * H * (576 +
+512) * 2. The shared pool (43 MB in fp8_ds_mla) mostly stays in a Hopper GPU's 50 MB
+L2 and each row is selected by several requests; --tokens-per-request N gives each
+request N tokens of its own (no row shared across requests), which reads from DRAM
+as a serving batch does.
 
 In one process on the same data: mla_jax as a JAX user runs it (the kernel
 auto-selection picks; method of bench_paged_decode.py: jitted program of n chained
@@ -16,6 +21,7 @@ slope) on the same bytes: our cache layout is FlashMLA's. Each result is checked
 against the float64 reference on two requests.
 
   python benchmarks/bench_sparse_decode.py --out benchmarks/results/h200_sparse.json
+  python benchmarks/bench_sparse_decode.py --tokens-per-request 8192 --rows 0,4
   python benchmarks/bench_sparse_decode.py --smoke --backend cpu     # CPU check of the script
 """
 
@@ -54,25 +60,35 @@ def bench_row(b, q, h, k, args, pool_tokens, peer):
   from mla_jax.testing import reference_sparse_decode
 
   rng = np.random.default_rng(0)
+  tpr = args.tokens_per_request
+  if tpr:
+    pool_tokens = b * tpr
   num_pages = pool_tokens // PAGE_SIZE
   key = jax.random.key(b * 1000 + q * 100 + h)
   latent = jax.random.normal(key, (num_pages, PAGE_SIZE, 576), jnp.float32).astype(jnp.bfloat16)
-  cache = mla_jax.quantize_latent_fp8(latent, scale_format="pow2")
+  fp8 = args.kv_format == "fp8_ds_mla"
+  cache = mla_jax.quantize_latent_fp8(latent, scale_format="pow2") if fp8 else latent
+  del latent
   rot = max(1, math.ceil(2 * 60e6 / cache.nbytes)) if not args.smoke else 1
   caches = [cache] + [jnp.array(cache, copy=True) for _ in range(rot - 1)]
-  indices = np.stack([rng.permutation(pool_tokens)[:k] for _ in range(b * q)]).reshape(b, q, k)
+  if tpr:  # request r selects among its own tokens [r tpr, (r + 1) tpr): no row shared across requests
+    indices = np.stack([r * tpr + rng.choice(tpr, k, replace=False) for r in range(b) for _ in range(q)])
+  else:
+    indices = np.stack([rng.permutation(pool_tokens)[:k] for _ in range(b * q)])
+  indices = indices.reshape(b, q, k)
   indices = jnp.asarray(indices.astype(np.int32))
   n_lo, n_hi, reps = (1, 2, 2) if args.smoke else (4, 12, 10)
   qs = [jax.random.normal(jax.random.key(100 + i), (b, q, h, 576), jnp.float32).astype(jnp.bfloat16)
         for i in range(n_hi)]
   sel = slice(0, 2)
   flops = 2 * b * q * k * h * (576 + 512)
-  nbytes = b * q * k * 656 + b * q * h * (576 + 512) * 2
-  rec = dict(kind="sparse_fp8_ds_mla", b=b, q_len=q, h=h, topk=k, rot=rot, flops=flops, bytes=nbytes)
+  nbytes = b * q * k * (656 if fp8 else 1152) + b * q * h * (576 + 512) * 2
+  rec = dict(kind=f"sparse_{'fp8_ds_mla' if fp8 else 'bf16'}", b=b, q_len=q, h=h, topk=k,
+             tokens_per_request=tpr or None, pool_tokens=pool_tokens, rot=rot, flops=flops, bytes=nbytes)
   ref = None
   for variant in ("auto", "portable"):
     plan = mla_jax.SparseDecodePlan(num_heads=h, page_size=PAGE_SIZE, sm_scale=SM_SCALE, topk=k, q_len=q,
-                                    kv_format="fp8_ds_mla", backend=args.backend, kernel=variant)
+                                    kv_format=args.kv_format, backend=args.backend, kernel=variant)
     step = lambda x, c, idx, plan=plan: mla_jax.sparse_decode(x, c, idx, plan=plan, return_lse=True)
     try:
       e = mla_jax.explain(plan, qs[0], cache, indices)
@@ -90,6 +106,8 @@ def bench_row(b, q, h, k, args, pool_tokens, peer):
                ok=bool(np.isfinite(relerr) and relerr <= 2e-2))
       if gpu_s:
         r["gpu_us"] = gpu_s * 1e6
+      if args.ceilings:
+        r["pct_copy"] = 100 * nbytes / (us * 1e-6) / args.ceilings["memcpy"]["bw_Bps"]
       del keep
     except Exception as e:  # noqa: BLE001 - record and go on
       r = dict(error=f"{type(e).__name__}: {e}"[:300], ok=False)
@@ -110,6 +128,8 @@ def bench_row(b, q, h, k, args, pool_tokens, peer):
       fr["relerr"] = _relerr(out0[sel], ref[0]) if ref is not None else None
       fr["ok"] = fr["relerr"] is not None and fr["relerr"] <= 2e-2
       fr["tflops"] = flops / fr["us"] / 1e6
+      if args.ceilings:
+        fr["pct_copy"] = 100 * nbytes / (fr["us"] * 1e-6) / args.ceilings["memcpy"]["bw_Bps"]
     except Exception as e:  # noqa: BLE001 - the peer's failure is a result
       fr = dict(error=f"{type(e).__name__}: {e}"[:300], ok=False)
     rec["flashmla"] = fr
@@ -132,6 +152,11 @@ def main(argv=None):
   ap.add_argument("--flashmla", default="auto", choices=("auto", "off"))
   ap.add_argument("--no-device-time", action="store_true")
   ap.add_argument("--smoke", action="store_true", help="tiny shapes: a CPU check of the script")
+  ap.add_argument("--kv-format", default="fp8_ds_mla", choices=("fp8_ds_mla", "bf16"),
+                  help="the cache: 656-byte fp8_ds_mla rows, or bf16 rows of 576 values (1,152 bytes)")
+  ap.add_argument("--tokens-per-request", type=int, default=0,
+                  help="each request selects among its own N tokens (a pool of B * N, no row shared "
+                       "across requests, as in serving); default: one shared 65,536-token pool")
   args = ap.parse_args(argv)
   # torch (FlashMLA, the copy ceiling) shares the GPU: JAX must not take 75 % of it up front.
   os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -142,17 +167,27 @@ def main(argv=None):
     rows_spec = [rows_spec[int(i)] for i in args.rows.split(",")]
   pool = 1024 if args.smoke else POOL_TOKENS
   peer, why = None, "--flashmla off"
-  if args.flashmla == "auto" and dev.platform == "gpu":
+  ceilings = None
+  if dev.platform == "gpu":
     import flashmla_peer
-    peer, why = flashmla_peer.load()
+    if args.flashmla == "auto":
+      peer, why = flashmla_peer.load()
+    if not args.smoke:  # copy and matmul ceilings, same run
+      ceilings = peer.ceilings() if peer is not None else flashmla_peer.torch_ceilings()
   commit, dirty = git_commit(args.commit)
-  meta = dict(benchmark="sparse_decode fp8_ds_mla", device=dev.device_kind, platform=dev.platform,
+  if args.tokens_per_request % PAGE_SIZE:
+    ap.error(f"--tokens-per-request must be a multiple of the page size {PAGE_SIZE}")
+  meta = dict(benchmark=f"sparse_decode {args.kv_format}", device=dev.device_kind, platform=dev.platform,
               date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               commit=commit, dirty=dirty, source_digest=source_digest(), env=mla_jax_env(), jax=jax.__version__,
-              backend=args.backend, flashmla=(f"same run, {peer.version}" if peer else f"not run: {why}"),
+              backend=args.backend, ceilings=ceilings, flashmla=(f"same run, {peer.version}" if peer else f"not run: {why}"),
               method="mla_jax: median slope of chained jitted calls (bench_paged_decode.py), rotating caches; "
                      "gpu_us: profiler-trace slope; FlashMLA: CUDA-graph replay slope (flashmla_peer.py)",
-              flops="2*B*q_len*K*H*(576+512)", bytes="B*q_len*K*656 + B*q_len*H*(576+512)*2")
+              flops="2*B*q_len*K*H*(576+512)",
+              bytes=f"B*q_len*K*{656 if args.kv_format == 'fp8_ds_mla' else 1152} + B*q_len*H*(576+512)*2",
+              pool=(f"{args.tokens_per_request} tokens of its own per request" if args.tokens_per_request
+                    else f"one shared {pool}-token pool"))
+  args.ceilings = ceilings
   rows = []
   for (b, q, h, k) in rows_spec:
     rows.append(bench_row(b, q, h, k, args, pool, peer))
@@ -160,8 +195,11 @@ def main(argv=None):
       write_json(Path(args.out), meta, rows, False)
   if args.out:
     write_json(Path(args.out), meta, rows, True)
-  print(f"== sparse_decode fp8_ds_mla | {dev.device_kind} | jax {jax.__version__} | commit {commit} | "
+  print(f"== sparse_decode {args.kv_format}, {meta['pool']} | {dev.device_kind} | jax {jax.__version__} | commit {commit} | "
         f"FlashMLA: {meta['flashmla']}")
+  if ceilings:
+    print(f"copy ceiling {ceilings['memcpy']['bw_Bps'] / 1e12:.2f} TB/s (torch memcpy, same run); GB/s below "
+          f"are the convention's bytes per call time")
   print(f"{'B':>4} {'q':>2} {'H':>4} {'K':>5} | {'us':>8} {'gpu':>8} {'TF/s':>5} {'GB/s':>5} {'kernel':>14} | "
         f"{'FMLA us':>8} {'TF/s':>5} {'us/FM':>6} | {'portable':>8} {'pt/us':>6} | relerr")
   ok = True

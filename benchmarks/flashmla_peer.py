@@ -120,21 +120,24 @@ class Peer:
     return self._time_calls(call, len(q_t), n_lo, n_hi, reps, dobench_calls)
 
   def sparse_decode(self, qs, caches, indices, *, sm_scale, n_lo, n_hi, reps, dobench_calls=30):
-    """Times FlashMLA's sparse FP8 decode (DeepSeek V3.2) on one row. qs: JAX queries
-    [B, q_len, H, 576]; caches: the rotation's JAX uint8 caches [pages, page_size, 656] in
-    the fp8_ds_mla layout (FlashMLA's own byte layout, read as it is); indices: JAX int32
-    [B, q_len, topk] global slots. Returns what dense_decode returns."""
+    """Times FlashMLA's sparse decode (DeepSeek V3.2) on one row. qs: JAX queries
+    [B, q_len, H, 576]; caches: the rotation's JAX caches, uint8 [pages, page_size, 656] in
+    the fp8_ds_mla layout (FlashMLA's own byte layout, read as it is) or bf16 [pages,
+    page_size, 576] (FlashMLA is asked for its bf16 sparse decode; a build without one raises,
+    and the caller records that); indices: JAX int32 [B, q_len, topk] global slots. Returns
+    what dense_decode returns."""
     import jax
     t = self.torch
     jax.block_until_ready((qs, caches, indices))
     q_t = [t.from_dlpack(q) for q in qs[:n_hi]]
-    c_t = [t.from_dlpack(c).view(t.float8_e4m3fn).unsqueeze(2) for c in caches]
+    fp8 = caches[0].dtype == np.uint8
+    c_t = [(t.from_dlpack(c).view(t.float8_e4m3fn) if fp8 else t.from_dlpack(c)).unsqueeze(2) for c in caches]
     idx = t.from_dlpack(indices)
     meta, _ = self.fm.get_mla_metadata()
 
     def call(i):
       return self.fm.flash_mla_with_kvcache(q_t[i], c_t[i % len(c_t)], None, None, 512, meta, None,
-                                            softmax_scale=sm_scale, is_fp8_kvcache=True, indices=idx)
+                                            softmax_scale=sm_scale, is_fp8_kvcache=fp8, indices=idx)
 
     return self._time_calls(call, len(q_t), n_lo, n_hi, reps, dobench_calls)
 
