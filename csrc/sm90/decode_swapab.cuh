@@ -71,34 +71,44 @@ __device__ __forceinline__ int sparse_row(const PagedDecodeParams& p, const int3
   return (idx >= 0 && int64_t{idx} < int64_t{p.num_pages} * p.page_size) ? idx : -1;
 }
 
-// Sparse: lane `lane` of warp `warp`'s share of a tile into `stage`
-// (tokens lane and lane + 32, rows[i] their cache rows or -1): the warp's
-// ckv box, its group's scale, and kpe chunks 2 warp and 2 warp + 1, zero
-// where rows[i] < 0; then one arrival on `bar` once the copies have landed.
-// Only this warp reads those ckv bytes and that scale after the S^T step
-// (so it may refill them once its O^T step is done), and everyone's S^T
-// reads of kpe and the scales are over at the barrier of step 2.
+// Sparse: warp `warp`'s share of a tile into `stage` (rows[i] of lane l:
+// the cache row of token l + 32 i, or -1): its ckv box, its group's scale,
+// and kpe chunks 2 warp and 2 warp + 1, zero where the row is < 0; then one
+// arrival per lane on `bar` once its copies have landed. The lanes of one
+// copy instruction cover whole 128- or 32-byte pieces of few rows (8 lanes a
+// token's ckv piece, 2 lanes its kpe piece), so that each instruction
+// touches 4 or 16 rows rather than 32, each row index taken from the lane
+// that looked it up. Only this warp reads those ckv bytes and that scale
+// after the S^T step (so it may refill them once its O^T step is done), and
+// everyone's S^T reads of kpe and the scales are over at the barrier of step 2.
 template <typename Tr>
 __device__ __forceinline__ void sparse_gather(const PagedDecodeParams& p, char* stage, uint64_t* bar, int warp, int lane,
                                               const int (&rows)[2]) {
   const char* ckv = static_cast<const char*>(p.ckv);
   const char* kpe = static_cast<const char*>(p.kpe);
 #pragma unroll
+  for (int j = 0; j < 16; ++j) {
+    const int tok = 4 * j + (lane >> 3), c = lane & 7;
+    const int row = __shfl_sync(0xffffffffu, rows[j >> 3], tok & 31);
+    const bool live = row >= 0;
+    smxx::cp_async_16(stage + warp * Tr::kCkvBoxBytes + tok * 128 + ((c ^ (tok & 7)) << 4),
+                      ckv + int64_t{live ? row : 0} * p.ckv_token_stride + 128 * warp + 16 * c, live);
+  }
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const int tok = 16 * j + (lane >> 1), c = 2 * warp + (lane & 1);
+    const int row = __shfl_sync(0xffffffffu, rows[j >> 1], tok & 31);
+    const bool live = row >= 0;
+    smxx::cp_async_16(stage + Tr::kRopeOffset + tok * 128 + ((c ^ (tok & 7)) << 4),
+                      kpe + int64_t{live ? row : 0} * p.kpe_token_stride + 16 * c, live);
+  }
+#pragma unroll
   for (int i = 0; i < 2; ++i) {
     const int tok = lane + 32 * i;
     const bool live = rows[i] >= 0;
     const int64_t r = live ? rows[i] : 0;
-    const char* src = ckv + r * p.ckv_token_stride;
-    char* box = stage + warp * Tr::kCkvBoxBytes + tok * 128;
-#pragma unroll
-    for (int c = 0; c < 8; ++c) smxx::cp_async_16(box + ((c ^ (tok & 7)) << 4), src + 128 * warp + 16 * c, live);
-#pragma unroll
-    for (int cc = 0; cc < 2; ++cc) {
-      const int c = 2 * warp + cc;
-      smxx::cp_async_16(stage + Tr::kRopeOffset + tok * 128 + ((c ^ (tok & 7)) << 4),
-                        kpe + r * p.kpe_token_stride + 16 * c, live);
-    }
-    cp_async_4(stage + Tr::kScaleOffset + tok * 16 + 4 * warp, src + kDsMlaScaleOffset + 4 * warp, live);
+    cp_async_4(stage + Tr::kScaleOffset + tok * 16 + 4 * warp,
+               static_cast<const char*>(p.ckv) + r * p.ckv_token_stride + kDsMlaScaleOffset + 4 * warp, live);
   }
   cutlass::arch::cpasync_barrier_arrive_noinc(bar);
 }
