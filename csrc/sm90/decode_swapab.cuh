@@ -64,11 +64,15 @@ __device__ __forceinline__ void cp_async_4(void* smem, const void* gmem, bool pr
 // Sparse: the cache row of position pos of a request (index row `table`),
 // or -1: past the item's end, -1 padding or out of range (never read,
 // masked out).
+__device__ __forceinline__ int sparse_entry(const int32_t* table, int pos, int64_t tok_end) {
+  return pos < tok_end ? table[pos] : -1;
+}
+__device__ __forceinline__ int sparse_checked(const PagedDecodeParams& p, int idx) {
+  return (idx >= 0 && int64_t{idx} < int64_t{p.num_pages} * p.page_size) ? idx : -1;
+}
 __device__ __forceinline__ int sparse_row(const PagedDecodeParams& p, const int32_t* table, int pos,
                                           int64_t tok_end) {
-  if (pos >= tok_end) return -1;
-  const int idx = table[pos];
-  return (idx >= 0 && int64_t{idx} < int64_t{p.num_pages} * p.page_size) ? idx : -1;
+  return sparse_checked(p, sparse_entry(table, pos, tok_end));
 }
 
 // Sparse: warp `warp`'s share of a tile into `stage` (rows[i] of lane l:
@@ -260,6 +264,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     // of tile t into its stage (macros rather than lambdas: a closure over
     // the kernel's locals, even unused, changes the dense kernels' code).
 #define MLA_SPARSE_ROW(t, tok) sparse_row(p, table, (tile_begin + (t)) * kBlockN + (tok), tok_end)
+#define MLA_SPARSE_ENTRY(t, tok) sparse_entry(table, (tile_begin + (t)) * kBlockN + (tok), tok_end)
 #define MLA_SPARSE_GATHER(t, rows_of)                                                                      \
   sparse_gather<Tr>(p, shared + Tr::kSmemKv + ((t) % kS) * Tr::kStageBytes, &kv_full[(t) % kS], warp, lane, \
                     rows_of)
@@ -416,17 +421,19 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       const char* stage = shared + Tr::kSmemKv + j * Tr::kStageBytes;
       // The refill's page, looked up early by whoever may issue it.
       int next_entry = 0;
-      // Sparse: the refill's rows (this lane's two tokens), and whether the
-      // S^T rows of this thread (tokens tok_row0, tok_row0 + 8) are live.
+      // Sparse: the top-k entries of the refill's tokens (this lane's two)
+      // and of this thread's S^T rows (tokens tok_row0, tok_row0 + 8),
+      // loaded here and checked where they are used (the refill, the
+      // masking), so that the loads' latency passes during the wait.
       int next_rows[2] = {-1, -1};
-      bool tok_live[2] = {true, true};
+      int tok_entry[2] = {0, 0};
       if constexpr (kSparse) {
         if (t + kS < num_tiles) {
-          next_rows[0] = MLA_SPARSE_ROW(t + kS, lane);
-          next_rows[1] = MLA_SPARSE_ROW(t + kS, lane + 32);
+          next_rows[0] = MLA_SPARSE_ENTRY(t + kS, lane);
+          next_rows[1] = MLA_SPARSE_ENTRY(t + kS, lane + 32);
         }
-        tok_live[0] = MLA_SPARSE_ROW(t, tok_row0) >= 0;
-        tok_live[1] = MLA_SPARSE_ROW(t, tok_row0 + 8) >= 0;
+        tok_entry[0] = MLA_SPARSE_ENTRY(t, tok_row0);
+        tok_entry[1] = MLA_SPARSE_ENTRY(t, tok_row0 + 8);
       } else {
         if (lane == 0 && t + kS < num_tiles) next_entry = fetch_entry(t + kS);
       }
@@ -580,6 +587,11 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         int limit[kColsS];
 #pragma unroll
         for (int ci = 0; ci < kColsS; ++ci) limit[ci] = limit_of(ci);
+        bool tok_live[2] = {true, true};
+        if constexpr (kSparse) {
+          tok_live[0] = sparse_checked(p, tok_entry[0]) >= 0;
+          tok_live[1] = sparse_checked(p, tok_entry[1]) >= 0;
+        }
 #pragma unroll
         for (int e = 0; e < kSVals; ++e) {
           const int ci = col_index(e);
@@ -758,7 +770,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             if constexpr (kSparse) {
               if (q == kVWords - 1 && js == 3) {
                 __syncwarp();
-                if (t + kS < num_tiles) MLA_SPARSE_GATHER(t + kS, next_rows);
+                if (t + kS < num_tiles) {
+                  const int rows_of[2] = {sparse_checked(p, next_rows[0]), sparse_checked(p, next_rows[1])};
+                  MLA_SPARSE_GATHER(t + kS, rows_of);
+                }
               }
             } else if constexpr (!kSplit) {
               if (q == kVWords - 1 && js == 3) {
@@ -925,6 +940,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     fence_smem_for_wgmma();
   }
 #undef MLA_SPARSE_ROW
+#undef MLA_SPARSE_ENTRY
 #undef MLA_SPARSE_GATHER
 #endif  // sm_90a
 }
