@@ -61,9 +61,10 @@ __device__ __forceinline__ void cp_async_4(void* smem, const void* gmem, bool pr
                                                          *static_cast<uint32_t*>(smem), pred);
 }
 
-// Sparse: the cache row of position pos of a request (index row `table`),
-// or -1: past the item's end, -1 padding or out of range (never read,
-// masked out).
+// Sparse: the top-k entry at position pos of a request (index row
+// `table`), as stored, or -1 past the item's end; sparse_checked turns an
+// entry into its cache row, or -1 for padding and out-of-range entries
+// (never read, masked out); sparse_row does both.
 __device__ __forceinline__ int sparse_entry(const int32_t* table, int pos, int64_t tok_end) {
   return pos < tok_end ? table[pos] : -1;
 }
@@ -260,8 +261,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         cute::SM90_TMA_LOAD_2D::copy(&tma.ckv, bar, hint, dst + box * Tr::kCkvBoxBytes, box * 128, row);
       if (with_kpe) cute::SM90_TMA_LOAD_2D::copy(&tma.kpe, bar, hint, dst + Tr::kRopeOffset, 0, row);
     };
-    // Sparse: the cache row of token tok of tile t, and this lane's share
-    // of tile t into its stage (macros rather than lambdas: a closure over
+    // Sparse: the cache row (checked) or top-k entry (unchecked) of token
+    // tok of tile t, and this warp's share of tile t into its stage (macros rather than lambdas: a closure over
     // the kernel's locals, even unused, changes the dense kernels' code).
 #define MLA_SPARSE_ROW(t, tok) sparse_row(p, table, (tile_begin + (t)) * kBlockN + (tok), tok_end)
 #define MLA_SPARSE_ENTRY(t, tok) sparse_entry(table, (tile_begin + (t)) * kBlockN + (tok), tok_end)

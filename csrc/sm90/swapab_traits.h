@@ -143,7 +143,7 @@ struct SwapAbTraits {
   static_assert(kN == 16 || kN == 32);
   // Sparse fp8_ds_mla: the rows are gathered by index with cp.async (each
   // warp its own ckv box, its group's scale and two 16-byte chunks of kpe
-  // of tokens lane and lane + 32); S^T sums each 128-value group (two
+  // of all 64 tokens); S^T sums each 128-value group (two
   // chains of two k-steps) times the token's scale of that group, plus the
   // kpe part as a bf16 product (the query's kpe part in bf16); O^T takes
   // V^T converted to fp16 times the token's scale over the warp's running
