@@ -44,6 +44,16 @@
 namespace mla_jax {
 namespace sm90 {
 
+// Element e of S^T from an accumulator of the query's kQTerms e4m3 parts
+// (part j of element e at e + j kSVals, weight 16^-j).
+template <int kQTerms, int kSVals, typename Acc>
+__device__ __forceinline__ float query_parts_sum(const Acc& acc, int e) {
+  float v = acc(e);
+#pragma unroll
+  for (int j = 1; j < kQTerms; ++j) v += acc(e + j * kSVals) * (j == 1 ? 0.0625f : 0.00390625f);
+  return v;
+}
+
 // Four e4m3 values -> two fp16x2, exactly: bytes 0-1 into lo, 2-3 into hi
 // (the lower byte of each pair in the lower half). The 16-bit halves of
 // `w` feed the conversions directly (no shift to extract the upper pair).
@@ -490,12 +500,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         auto add = [&](int c, auto& acc) __attribute__((always_inline)) {
           warpgroup_fence_operand(acc);
 #pragma unroll
-          for (int e = 0; e < kSVals; ++e) {
-            float v = acc(e);
-#pragma unroll
-            for (int jq = 1; jq < Tr::kQTerms; ++jq) v += acc(e + jq * kSVals) * (jq == 1 ? 0.0625f : 0.00390625f);
-            tSrS(e) += v * scale_of((e >> 1) & 1, c / 2);
-          }
+          for (int e = 0; e < kSVals; ++e)
+            tSrS(e) += query_parts_sum<Tr::kQTerms, kSVals>(acc, e) * scale_of((e >> 1) & 1, c / 2);
         };
         issue(0, tSacc);
 #pragma unroll
@@ -535,12 +541,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         auto add = [&](int grp, auto& acc) __attribute__((always_inline)) {
           warpgroup_fence_operand(acc);
 #pragma unroll
-          for (int e = 0; e < kSVals; ++e) {
-            float v = acc(e);
-#pragma unroll
-            for (int j = 1; j < Tr::kQTerms; ++j) v += acc(e + j * kSVals) * (j == 1 ? 0.0625f : 0.00390625f);
-            tSrS(e) = (grp == 0 ? 0.f : tSrS(e)) + v;
-          }
+          for (int e = 0; e < kSVals; ++e)
+            tSrS(e) = (grp == 0 ? 0.f : tSrS(e)) + query_parts_sum<Tr::kQTerms, kSVals>(acc, e);
         };
         issue(0, tSacc);
 #pragma unroll
