@@ -306,6 +306,42 @@ def test_dense_fp8_arbitrary_kv_scale(backend, kv_scale):
   np.testing.assert_allclose(np.asarray(lse), ref_lse, atol=2e-2, rtol=0)
 
 
+@GPU
+@pytest.mark.parametrize("num_heads,q_len,page_size,dtype", [
+    (128, 1, 64, jnp.bfloat16),   # two 64-row blocks
+    (64, 2, 16, jnp.float16),     # 128 rows, fp16 query (the e4m3 rope converted to fp16)
+    (128, 2, 32, jnp.bfloat16),   # four blocks
+    (96, 2, 16, jnp.bfloat16),    # three blocks
+    (96, 1, 64, jnp.float16),     # two blocks, the second with 32 live rows
+])
+def test_dense_fp8_lockstep_row_blocks(num_heads, q_len, page_size, dtype):
+  """The lock-step kernel over an e4m3 cache with more than 64 query rows
+  (several 64-row blocks a request, each converting every tile): ragged
+  lengths, several tiles and splits, every request against float64."""
+  seq_lens = [0, 1, 63, 64, 65, 700, 2100]
+  query, kv, bt, sl = dense_case(41 + num_heads + q_len, seq_lens, num_heads=num_heads,
+                                 page_size=page_size, q_len=q_len, dtype=dtype)
+  kv_scale = np.float32(0.37)
+  kv8 = (kv / kv_scale).astype(ml_dtypes.float8_e4m3fn)
+  deq = kv8.astype(np.float64) * np.float64(kv_scale)
+  plan = mla_jax.DecodePlan(num_heads=num_heads, page_size=page_size, sm_scale=SM_SCALE,
+                            q_len=q_len, backend="cuda")
+  dev = jax.devices("cuda")[0]
+  got = mla_jax.explain(plan, *jax.device_put((query, kv8, bt, sl), dev),
+                        kv_scale=jnp.float32(kv_scale), device=dev)
+  assert got.kernel.kernel == "sm90_lockstep", str(got)
+  out, lse = run_paged("cuda", query, kv8, bt, sl, plan, kv_scale=kv_scale)
+  ref_out, ref_lse = reference_paged_decode(query.astype(np.float32), deq, bt, sl, plan)
+  live = sl > 0
+  assert np.all(np.isfinite(np.asarray(out[live].astype(jnp.float32))))
+  assert rel_err(out[live], ref_out[live]) <= 1e-2
+  for b in np.flatnonzero(live):   # every request on its own: a wrong half shows in one
+    assert rel_err(out[b], ref_out[b]) <= 1e-2, b
+  np.testing.assert_allclose(np.asarray(lse[live]), ref_lse[live], atol=2e-2, rtol=0)
+  assert np.all(np.asarray(out[~live].astype(jnp.float32)) == 0)
+  assert np.all(np.isneginf(np.asarray(lse[~live])))
+
+
 def test_dense_kv_scale_dtype_pairing():
   query, kv, bt, sl = dense_case(31, [4, 9])
   plan = mla_jax.DecodePlan(num_heads=16, page_size=16, sm_scale=SM_SCALE, backend="xla")

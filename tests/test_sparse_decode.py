@@ -521,6 +521,7 @@ def _hopper():
 HOPPER_CASES = [
     (128, 1, 2048, "pow2", jnp.bfloat16),
     (128, 2, 2049, "arbitrary", jnp.bfloat16),   # one index past a whole number of 64-token tiles
+    (128, 1, 700, "pow2", jnp.float16),          # 128 heads, fp16 query: two row blocks, the bf16 rope converted
     (64, 4, 64, "pow2", jnp.float16),             # fp16 query: the bf16 rope is converted on chip
     (96, 1, 1, "arbitrary", jnp.bfloat16),
     (64, 1, 300, "arbitrary", jnp.float16),
