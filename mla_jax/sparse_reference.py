@@ -25,18 +25,22 @@ def valid_index_mask(indices, topk_lens, num_slots: int):
 
 
 def _gather_keys(kv, safe_idx, kv_format: str, compute):
-  """Cache rows at safe_idx [B, Q, K] as (k_nope [B,Q,K,512], k_pe [B,Q,K,64]) in compute."""
+  """Cache rows at safe_idx [B, Q, K] as (k_nope [B,Q,K,512], scales, k_pe [B,Q,K,64]).
+
+  k_nope and k_pe are in ``compute``. For fp8_ds_mla, k_nope holds the e4m3
+  values themselves (exact in bf16 and fp16) and ``scales`` their group
+  scales, float32 [B, Q, K, 4], applied in float32 by the caller: rounding
+  e4m3 * scale to the query dtype would move lse by up to ~0.025 at top-k
+  2048 with arbitrary scales. For bf16 rows ``scales`` is None.
+  """
   num_slots = kv.shape[0] * kv.shape[1]
   flat = kv.reshape(num_slots, kv.shape[-1])
   rows = jnp.take(flat, safe_idx, axis=0, mode="clip")                   # [B, Q, K, W]
   dn = fp8_cache.KV_LORA_RANK
   if kv_format == "fp8_ds_mla":
     q, s, r = fp8_cache.split_latent_fp8(rows)
-    lead = rows.shape[:-1]
-    k_nope = (q.astype(jnp.float32).reshape(lead + (fp8_cache.NUM_GROUPS, fp8_cache.GROUP)) *
-              s[..., None]).reshape(lead + (dn,))
-    return k_nope.astype(compute), r.astype(compute)
-  return rows[..., :dn].astype(compute), rows[..., dn:].astype(compute)
+    return q.astype(compute), s, r.astype(compute)
+  return rows[..., :dn].astype(compute), None, rows[..., dn:].astype(compute)
 
 
 def sparse_decode_xla(inputs: SparseInputs, plan: SparseDecodePlan):
@@ -50,7 +54,7 @@ def sparse_decode_xla(inputs: SparseInputs, plan: SparseDecodePlan):
   num_slots = kv.shape[0] * kv.shape[1]
   valid = valid_index_mask(inputs.indices, inputs.topk_lens, num_slots)   # [B, Q, K]
   safe = jnp.where(valid, inputs.indices, 0)
-  k_nope, k_pe = _gather_keys(kv, safe, plan.kv_format, compute)
+  k_nope, scales, k_pe = _gather_keys(kv, safe, plan.kv_format, compute)
   # Padding rows may hold anything (NaN included): zero them so that a zero
   # softmax weight cannot meet a NaN value.
   zero = jnp.zeros((), compute)
@@ -58,14 +62,38 @@ def sparse_decode_xla(inputs: SparseInputs, plan: SparseDecodePlan):
   k_pe = jnp.where(valid[..., None], k_pe, zero)
 
   kv_scale = inputs.kv_scale[0]
-  scores = (jnp.einsum("bqhd,bqkd->bqhk", q_nope, k_nope, preferred_element_type=jnp.float32) +
-            jnp.einsum("bqhd,bqkd->bqhk", q_pe, k_pe, preferred_element_type=jnp.float32))
+  f32 = jnp.float32
+  if scales is None:
+    nope_scores = jnp.einsum("bqhd,bqkd->bqhk", q_nope, k_nope, preferred_element_type=f32)
+  else:
+    # Per 128-feature group: the exact products summed in float32, times the
+    # rows' scale of that group (as the swap-AB kernel does).
+    scales = jnp.where(valid[..., None], scales, 0.0)                      # [B, Q, K, 4]
+    g = fp8_cache.GROUP
+    nope_scores = sum(
+        jnp.einsum("bqhd,bqkd->bqhk", q_nope[..., j * g:(j + 1) * g], k_nope[..., j * g:(j + 1) * g],
+                   preferred_element_type=f32) * scales[:, :, None, :, j]
+        for j in range(fp8_cache.NUM_GROUPS))
+  scores = nope_scores + jnp.einsum("bqhd,bqkd->bqhk", q_pe, k_pe, preferred_element_type=f32)
   scores = scores * (plan.sm_scale * kv_scale)
   scores = jnp.where(valid[:, :, None, :], scores, -jnp.inf)
   lse = jax.nn.logsumexp(scores, axis=-1)                                  # -inf if empty
   probs = jnp.exp(scores - jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None])
-  out = jnp.einsum("bqhk,bqkd->bqhd", probs.astype(compute), k_nope,
-                   preferred_element_type=jnp.float32) * kv_scale
+  if scales is None:
+    out = jnp.einsum("bqhk,bqkd->bqhd", probs.astype(compute), k_nope, preferred_element_type=f32)
+  else:
+    # Each group's values times their scale: weights p * scale / (the
+    # group's largest scale over the rows), in [0, 1] like P, rounded to the
+    # query dtype as P is for bf16 rows (p * scale itself could leave fp16's
+    # range); the largest scale multiplies the product in float32.
+    top = jnp.max(scales, axis=2)                                           # [B, Q, 4]
+    top = jnp.where(top > 0, top, 1.0)
+    rel = scales / top[:, :, None, :]
+    out = jnp.concatenate([
+        jnp.einsum("bqhk,bqkd->bqhd", (probs * rel[:, :, None, :, j]).astype(compute),
+                   k_nope[..., j * g:(j + 1) * g], preferred_element_type=f32) * top[:, :, None, j, None]
+        for j in range(fp8_cache.NUM_GROUPS)], axis=-1)
+  out = out * kv_scale
   if inputs.has_sink:
     # exp(lse) / (exp(lse) + exp(sink)) without overflow; 0 when lse = -inf.
     sink = inputs.attn_sink[None, None, :]

@@ -202,6 +202,24 @@ def test_long_topk(backend, kv_format, scale_format):
   assert_matches(out, lse, *case.reference(indices=indices), case.dtype)
 
 
+@pytest.mark.parametrize("backend", ["cpu", "xla"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_arbitrary_scales_applied_in_float(backend, dtype):
+  """fp8_ds_mla with arbitrary (not power-of-two) scales at K = 2048: e4m3 * scale is
+  not exact in the query dtype, so a backend that rounded the dequantised cache to it
+  would move lse by ~1e-2 here; the cpu and xla backends apply the scales in float32
+  and stay far inside the usual bounds."""
+  case = Case(seed_of("arbitrary-float", jnp.dtype(dtype).name), batch=4, q_len=1, num_heads=16,
+              topk=2048, num_pages=40, page_size=64, kv_format="fp8_ds_mla",
+              scale_format="arbitrary", dtype=dtype)
+  out, lse = case.run(backend)
+  ref_out, ref_lse = case.reference()
+  assert_matches(out, lse, ref_out, ref_lse, case.dtype)
+  assert np.abs(np.asarray(lse, np.float64) - ref_lse).max() <= 1e-4
+  out = np.asarray(out.astype(jnp.float32), np.float64)
+  assert np.linalg.norm(out - ref_out) / np.linalg.norm(ref_out) <= 4e-3
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("kv_format,scale_format", FORMATS, ids=FORMAT_IDS)
 def test_padding(backend, kv_format, scale_format):
