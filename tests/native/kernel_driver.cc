@@ -7,11 +7,13 @@
 // mla_jax/kernels.py sizes it), one cudaMalloc each, so that any access past
 // a buffer is reported.
 //
-//   mla_jax_kernel_driver [N_CASES [SEED [--short-out]]]
+//   mla_jax_kernel_driver [N_CASES [SEED [--short-out] [--kernel NAME]]]
 //
 // --short-out allocates every output buffer 2 bytes short: a check that
 // memcheck sees the kernels' accesses (it must report the last row's
-// stores), not a mode for anything else.
+// stores), not a mode for anything else. --kernel draws every case for one
+// kernel request (auto, portable, sm90_lockstep, sm90_seesaw, sm90_swapab)
+// instead of cycling through them: a sanitizer run aimed at one kernel.
 //
 // Each seeded case draws a paged or sparse call over the input space the
 // Python tests cover (query dtype, cache format and layout, page size,
@@ -40,6 +42,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <iterator>
 #include <map>
 #include <random>
 #include <string>
@@ -529,7 +532,20 @@ Outcome run_case(const Case& c, std::mt19937_64& rng, const DeviceInfo& dev) {
 int main(int argc, char** argv) {
   const int n = argc > 1 ? std::atoi(argv[1]) : 40;
   const uint64_t seed = argc > 2 ? std::strtoull(argv[2], nullptr, 10) : 20261202;
-  if (argc > 3 && std::strcmp(argv[3], "--short-out") == 0) g_out_shortfall = 2;
+  static const char* const kKernels[] = {"auto", "portable", "sm90_lockstep", "sm90_seesaw", "sm90_swapab"};
+  const char* only = nullptr;
+  for (int a = 3; a < argc; ++a) {
+    if (std::strcmp(argv[a], "--short-out") == 0) {
+      g_out_shortfall = 2;
+    } else if (std::strcmp(argv[a], "--kernel") == 0 && a + 1 < argc &&
+               std::any_of(std::begin(kKernels), std::end(kKernels),
+                           [&](const char* k) { return std::strcmp(k, argv[a + 1]) == 0; })) {
+      only = argv[++a];
+    } else {
+      std::fprintf(stderr, "usage: %s [N_CASES [SEED [--short-out] [--kernel NAME]]]\n", argv[0]);
+      return 2;
+    }
+  }
   const DeviceInfo dev = device_info(0);
   CUDA_OK(dev.status);
   std::printf("device arch %d, %d SMs, sm_90a code %s; %d cases from seed %llu\n", dev.arch, dev.sm_count,
@@ -538,8 +554,7 @@ int main(int argc, char** argv) {
   std::map<std::string, int> ran;  // configurations that ran, with their counts
   for (int i = 0; i < n; ++i) {
     std::mt19937_64 rng(seed + static_cast<uint64_t>(i));
-    static const char* const kKernels[] = {"auto", "portable", "sm90_lockstep", "sm90_seesaw", "sm90_swapab"};
-    const Case c = draw_case(rng, kKernels[i % 5]);
+    const Case c = draw_case(rng, only != nullptr ? only : kKernels[i % 5]);
     const Outcome o = run_case(c, rng, dev);
     std::printf("%s case %d: %s -> %s: %s\n", o.ok ? "ok  " : "FAIL", i, describe(c).c_str(), o.config.c_str(),
                 o.what.c_str());
