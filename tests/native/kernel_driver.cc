@@ -530,9 +530,23 @@ Outcome run_case(const Case& c, std::mt19937_64& rng, const DeviceInfo& dev) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  const int n = argc > 1 ? std::atoi(argv[1]) : 40;
-  const uint64_t seed = argc > 2 ? std::strtoull(argv[2], nullptr, 10) : 20261202;
   static const char* const kKernels[] = {"auto", "portable", "sm90_lockstep", "sm90_seesaw", "sm90_swapab"};
+  auto usage = [&] {
+    std::fprintf(stderr,
+                 "usage: %s [N_CASES [SEED [--short-out] [--kernel NAME]]]\n"
+                 "  N_CASES > 0, SEED an unsigned integer; NAME one of auto, portable, sm90_lockstep, "
+                 "sm90_seesaw, sm90_swapab\n",
+                 argv[0]);
+    return 2;
+  };
+  // Positional numbers, whole arguments only: a flag in their place is a
+  // usage error, not zero cases.
+  char* end = nullptr;
+  const long n_arg = argc > 1 ? std::strtol(argv[1], &end, 10) : 40;
+  if (argc > 1 && (*end != '\0' || n_arg <= 0 || n_arg > 1000000)) return usage();
+  const int n = static_cast<int>(n_arg);
+  const uint64_t seed = argc > 2 ? std::strtoull(argv[2], &end, 10) : 20261202;
+  if (argc > 2 && (*end != '\0' || argv[2][0] == '-')) return usage();
   const char* only = nullptr;
   for (int a = 3; a < argc; ++a) {
     if (std::strcmp(argv[a], "--short-out") == 0) {
@@ -542,8 +556,7 @@ int main(int argc, char** argv) {
                            [&](const char* k) { return std::strcmp(k, argv[a + 1]) == 0; })) {
       only = argv[++a];
     } else {
-      std::fprintf(stderr, "usage: %s [N_CASES [SEED [--short-out] [--kernel NAME]]]\n", argv[0]);
-      return 2;
+      return usage();
     }
   }
   const DeviceInfo dev = device_info(0);
