@@ -563,7 +563,7 @@ def test_equal_pieces_schedule_when_requests_are_few(heads, k, seq_len):
     np.testing.assert_array_equal(results[0][1], other[1])
 
 
-@pytest.mark.parametrize("kernel", ["auto", "sm90_lockstep", "sm90_swapab", "portable"])
+@pytest.mark.parametrize("kernel", ["auto", "sm90_lockstep", "sm90_seesaw", "sm90_swapab", "portable"])
 @pytest.mark.parametrize("heads,q_len,page_size,dtype,layout", [
     (128, 1, 64, jnp.bfloat16, "packed"),
     (64, 2, 16, jnp.float16, "pair"),
@@ -584,16 +584,19 @@ def test_equal_pieces_schedule_when_requests_are_few(heads, k, seq_len):
 ])
 def test_fp8_cache_kernels(kernel, heads, q_len, page_size, dtype, layout):
   # On sm_90 (auto) up to 32 query rows over pages of a multiple of 64
-  # tokens run the swap-AB kernel, other shapes with more than 16 rows the
-  # lock-step wgmma kernel, which converts the e4m3 rows on chip; against the reference with
+  # tokens run the swap-AB kernel, more rows over such pages the seesaw
+  # kernel, other shapes with more than 16 rows the lock-step wgmma kernel;
+  # the last two convert the e4m3 rows on chip. Against the reference with
   # ragged and zero lengths, splits, MTP, bad pages, both cache layouts, and
   # NaN (e4m3 0x7F) in every slot no valid request may read.
   rows = heads * q_len
   swapab_shape = rows <= 32 and page_size % 64 == 0
-  if kernel in ("sm90_lockstep", "sm90_swapab") and not _hopper_kernels_available():
+  if kernel.startswith("sm90") and not _hopper_kernels_available():
     pytest.skip(f"{kernel} needs an sm_90 GPU and a build with sm_90a code")
   if kernel == "sm90_swapab" and not swapab_shape:
     pytest.skip("sm90_swapab serves at most 32 query rows over pages of a multiple of 64 tokens")
+  if kernel == "sm90_seesaw" and page_size % 64 != 0:
+    pytest.skip("sm90_seesaw serves pages of a multiple of 64 tokens")
   rng = np.random.default_rng(heads + 3 * q_len + page_size)
   lens = [0, 1, q_len, 63, 64, 65, max(page_size - 1, 1), page_size + 1, 2500, 11000, 300, 300]
   d = random_paged_inputs(rng, lens, num_heads=heads, page_size=page_size, q_len=q_len)
@@ -613,7 +616,8 @@ def test_fp8_cache_kernels(kernel, heads, q_len, page_size, dtype, layout):
                             causal=q_len > 1, backend="cuda", kernel=kernel)
   if kernel == "auto" and _hopper_kernels_available():
     got = mla_jax.explain(plan, q, cache, bt, sl, kv_scale=jnp.float32(0.37))
-    want = "sm90_swapab" if swapab_shape else "sm90_lockstep" if rows > 16 else "portable"
+    want = ("sm90_swapab" if swapab_shape else "sm90_seesaw" if page_size % 64 == 0 else
+            "sm90_lockstep" if rows > 16 else "portable")
     assert got.kernel.kernel == want, str(got)
   _poison_allocator()
   out, lse = mla_jax.paged_decode(q, cache, jnp.asarray(bt), jnp.asarray(sl), plan=plan, return_lse=True,

@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -307,17 +309,24 @@ def test_dense_fp8_arbitrary_kv_scale(backend, kv_scale):
 
 
 @GPU
+@pytest.mark.parametrize("kernel", ["sm90_lockstep", "sm90_seesaw"])
 @pytest.mark.parametrize("num_heads,q_len,page_size,dtype", [
     (128, 1, 64, jnp.bfloat16),   # two 64-row blocks
     (64, 2, 16, jnp.float16),     # 128 rows, fp16 query (the e4m3 rope converted to fp16)
     (128, 2, 32, jnp.bfloat16),   # four blocks
     (96, 2, 16, jnp.bfloat16),    # three blocks
     (96, 1, 64, jnp.float16),     # two blocks, the second with 32 live rows
+    (64, 2, 128, jnp.bfloat16),   # two blocks, pages of two tiles
+    (48, 1, 64, jnp.bfloat16),    # one block with 48 live rows
 ])
-def test_dense_fp8_lockstep_row_blocks(num_heads, q_len, page_size, dtype):
-  """The lock-step kernel over an e4m3 cache with more than 64 query rows
-  (several 64-row blocks a request, each converting every tile): ragged
-  lengths, several tiles and splits, every request against float64."""
+def test_dense_fp8_lockstep_row_blocks(kernel, num_heads, q_len, page_size, dtype):
+  """The lock-step and seesaw kernels over an e4m3 cache with more than 32
+  query rows (up to several 64-row blocks a request, each converting every
+  tile): ragged lengths, several tiles and splits, every request against
+  float64. The seesaw kernel (auto for pages of a multiple of 64 tokens)
+  takes only such pages."""
+  if kernel == "sm90_seesaw" and page_size % 64 != 0:
+    pytest.skip("sm90_seesaw serves pages of a multiple of 64 tokens")
   seq_lens = [0, 1, 63, 64, 65, 700, 2100]
   query, kv, bt, sl = dense_case(41 + num_heads + q_len, seq_lens, num_heads=num_heads,
                                  page_size=page_size, q_len=q_len, dtype=dtype)
@@ -329,7 +338,9 @@ def test_dense_fp8_lockstep_row_blocks(num_heads, q_len, page_size, dtype):
   dev = jax.devices("cuda")[0]
   got = mla_jax.explain(plan, *jax.device_put((query, kv8, bt, sl), dev),
                         kv_scale=jnp.float32(kv_scale), device=dev)
-  assert got.kernel.kernel == "sm90_lockstep", str(got)
+  want = "sm90_seesaw" if page_size % 64 == 0 else "sm90_lockstep"
+  assert got.kernel.kernel == want, str(got)
+  plan = dataclasses.replace(plan, kernel=kernel)
   out, lse = run_paged("cuda", query, kv8, bt, sl, plan, kv_scale=kv_scale)
   ref_out, ref_lse = reference_paged_decode(query.astype(np.float32), deq, bt, sl, plan)
   live = sl > 0

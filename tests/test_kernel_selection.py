@@ -63,25 +63,28 @@ def test_other_architectures_run_the_portable_kernel(device):
 
 
 @needs_sm90a
-@pytest.mark.parametrize("heads,page_size,want", [(128, 64, "sm90_lockstep"), (64, 16, "sm90_lockstep"),
-                                                  (33, 64, "sm90_lockstep"), (32, 16, "sm90_lockstep"),
+@pytest.mark.parametrize("heads,page_size,want", [(128, 64, "sm90_seesaw"), (64, 16, "sm90_lockstep"),
+                                                  (33, 64, "sm90_seesaw"), (96, 128, "sm90_seesaw"),
+                                                  (32, 16, "sm90_lockstep"),
                                                   (24, 32, "sm90_lockstep"), (32, 64, "sm90_swapab"),
                                                   (24, 128, "sm90_swapab"), (17, 64, "sm90_swapab"),
                                                   (16, 64, "sm90_swapab"), (12, 128, "sm90_swapab"),
                                                   (1, 64, "sm90_swapab"), (16, 16, "portable"),
                                                   (12, 32, "portable")])
 def test_fp8_cache_kernel_choice(heads, page_size, want):
-  # Up to 32 query rows where TMA loads whole tiles (page size a multiple
-  # of 64): the swap-AB kernel. Otherwise more than 16 rows: the lock-step
-  # kernel, which gathers and converts the e4m3 rows on chip; 16 or fewer:
-  # the portable kernel's 16-row blocks. Never the seesaw kernel (its TMA
-  # boxes land the rows as they are).
+  # Where TMA loads whole tiles (page size a multiple of 64): up to 32
+  # query rows the swap-AB kernel, more the seesaw kernel (raw e4m3 tiles
+  # converted on chip). Otherwise more than 16 rows: the lock-step kernel,
+  # which gathers and converts the e4m3 rows on chip; 16 or fewer: the
+  # portable kernel's 16-row blocks.
   plan = mla_jax.DecodePlan(num_heads=heads, page_size=page_size, sm_scale=SM_SCALE, backend="cuda")
   got = mla_jax.explain(plan, *_paged(4, heads, page_size, kv_dtype=jnp.float8_e4m3fn),
                         kv_scale=jax.ShapeDtypeStruct((), jnp.float32), device=H200)
   assert got.kernel.kernel == want, str(got)
   if want == "sm90_lockstep":
     assert any("FP8 rows, converted on chip" in line for line in got.reasons), str(got)
+  if want == "sm90_seesaw":
+    assert any("float8_e4m3fn cache" in line and "converts" in line for line in got.reasons), str(got)
   if want == "sm90_swapab":
     assert any("tokens as wgmma's M" in line for line in got.reasons), str(got)
   else:
@@ -89,10 +92,14 @@ def test_fp8_cache_kernel_choice(heads, page_size, want):
       mla_jax.explain(dataclasses.replace(plan, kernel="sm90_swapab"),
                       *_paged(4, heads, page_size, kv_dtype=jnp.float8_e4m3fn),
                       kv_scale=jax.ShapeDtypeStruct((), jnp.float32), device=H200)
-  with pytest.raises(ValueError, match="sm90_seesaw"):
-    mla_jax.explain(dataclasses.replace(plan, kernel="sm90_seesaw"),
-                    *_paged(4, heads, page_size, kv_dtype=jnp.float8_e4m3fn),
-                    kv_scale=jax.ShapeDtypeStruct((), jnp.float32), device=H200)
+  forced = dataclasses.replace(plan, kernel="sm90_seesaw")
+  args = (*_paged(4, heads, page_size, kv_dtype=jnp.float8_e4m3fn),)
+  if page_size % 64 == 0:  # any number of rows, zero-filled to 64
+    got = mla_jax.explain(forced, *args, kv_scale=jax.ShapeDtypeStruct((), jnp.float32), device=H200)
+    assert got.kernel.kernel == "sm90_seesaw", str(got)
+  else:
+    with pytest.raises(ValueError, match="sm90_seesaw"):
+      mla_jax.explain(forced, *args, kv_scale=jax.ShapeDtypeStruct((), jnp.float32), device=H200)
 
 
 @needs_sm90a

@@ -65,7 +65,7 @@ cudaError_t run_paged_decode(const PagedDecodeParams& params, const DecodeWorksp
       } else if (params.kv_format == KvFormat::kFp8DsMla) {
         err = seesaw ? cudaErrorNotSupported : sm90::run_decode_ds_mla(params, ws, schedule, stream);
       } else if (params.kv_type == ElemType::kFP8E4M3) {
-        err = seesaw ? cudaErrorNotSupported : sm90::run_decode_fp8(params, ws, schedule, stream);
+        err = sm90::run_decode_fp8(params, ws, schedule, seesaw, stream);
       } else {
         err = params.q_type == ElemType::kBF16 ? sm90::run_decode_bf16(params, ws, schedule, seesaw, stream)
                                                : sm90::run_decode_fp16(params, ws, schedule, seesaw, stream);

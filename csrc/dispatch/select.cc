@@ -165,6 +165,10 @@ Selection select_kernel(const DecodeFacts& f, const KernelConfig& requested, std
   const bool tma_tiles = f.op == DecodeOp::kPaged && f.page_size % 64 == 0 && f.kv_aligned &&
                          (slots < 0 || (slots > 0 && slots <= INT32_MAX));
   const bool tma = tma_tiles && plain16;
+  // Dense e4m3 rows whose pages TMA can load: the seesaw kernel takes their
+  // raw bytes and converts them on chip.
+  const bool tma_fp8 = tma_tiles && f.kv_format == KvFormat::kPlain && f.kv_type == ElemType::kFP8E4M3 &&
+                       f.kv_pages_contiguous;
   const bool wide = portable_rows_per_cta(rows) == 64;
   // FP8 rows: the lock-step kernel's cost per tile hardly depends on how many
   // of its 64 rows are live (query rows past the request's are zero), and
@@ -212,6 +216,11 @@ Selection select_kernel(const DecodeFacts& f, const KernelConfig& requested, std
       c.kernel = KernelFamily::kSm90Seesaw;
       note([&] { return std::string("kernel: sm90_seesaw (sm_90, a paged cache whose page_size is a multiple of 64: TMA loads whole "
            "64-token tiles; " + std::to_string(rows) + " query rows per request in 64-row blocks)"); });
+    } else if (tma_fp8 && lockstep_rows) {
+      c.kernel = KernelFamily::kSm90Seesaw;
+      note([&] { return std::string("kernel: sm90_seesaw (sm_90, a float8_e4m3fn cache whose page_size is a multiple of 64 and " +
+           std::to_string(rows) + " query rows per request, more than sm90_swapab takes: TMA loads the raw 64-token tiles, "
+           "each warpgroup converts the tiles it multiplies first)"); });
     } else if (lockstep_rows) {
       c.kernel = KernelFamily::kSm90Lockstep;
       note([&] { return std::string("kernel: sm90_lockstep (sm_90, " + std::to_string(rows) + " query rows per request; the cache is "
@@ -230,8 +239,9 @@ Selection select_kernel(const DecodeFacts& f, const KernelConfig& requested, std
         return fail(std::string("kernel '") + family_name(c.kernel) + "' needs an sm_90 device, this one is " + arch_str(f.arch));
       if (!f.build_sm90a)
         return fail(std::string("kernel '") + family_name(c.kernel) + "' needs a build with sm_90a code (MLA_JAX_CUDA_ARCHS)");
-      if (c.kernel == KernelFamily::kSm90Seesaw && !plain16)
-        return fail("kernel 'sm90_seesaw' serves bf16/fp16 caches in the query dtype, pages laid end to end, only");
+      if (c.kernel == KernelFamily::kSm90Seesaw && !plain16 && !tma_fp8)
+        return fail("kernel 'sm90_seesaw' serves bf16/fp16 caches in the query dtype and float8_e4m3fn caches, "
+                    "pages laid end to end, only");
       if (c.kernel == KernelFamily::kSm90Lockstep && !plain16 && !fp8_lockstep)
         return fail("kernel 'sm90_lockstep' serves bf16/fp16 caches in the query dtype with pages laid end to end, "
                     "and FP8 caches (e4m3 with kv_scale, fp8_ds_mla) with pages laid end to end and 16-byte "
@@ -242,7 +252,7 @@ Selection select_kernel(const DecodeFacts& f, const KernelConfig& requested, std
                     std::to_string(kSwapAbMaxRows) + " query rows per request (q_len x heads), and sparse decode "
                     "over fp8_ds_mla rows (pages laid end to end, 16-byte aligned) with a bf16 query and at most " +
                     std::to_string(kSwapAbSparseMaxRows) + " heads, only");
-      if (c.kernel == KernelFamily::kSm90Seesaw && !tma)
+      if (c.kernel == KernelFamily::kSm90Seesaw && !tma && !tma_fp8)
         return fail("kernel 'sm90_seesaw' needs TMA loads: paged decode with page_size a multiple of 64 and "
                     "16-byte aligned cache rows");
     }

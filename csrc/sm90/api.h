@@ -23,11 +23,14 @@ cudaError_t run_decode_bf16(const PagedDecodeParams& params, const DecodeWorkspa
                             const SplitSchedule& schedule, bool seesaw, cudaStream_t stream);
 cudaError_t run_decode_fp16(const PagedDecodeParams& params, const DecodeWorkspace& ws,
                             const SplitSchedule& schedule, bool seesaw, cudaStream_t stream);
-// FP8 caches, lock-step kernel only (rows gathered with cp.async and
-// converted to the query dtype in shared memory): float8_e4m3fn with one
-// kv_scale, and DeepSeek V3.2 fp8_ds_mla; bf16 or fp16 query.
+// FP8 caches, converted to the query dtype in shared memory; bf16 or fp16
+// query. float8_e4m3fn with one kv_scale: the lock-step kernel (rows
+// gathered with cp.async), or with `seesaw` the seesaw kernel (TMA loads of
+// the raw bytes; cudaErrorNotSupported unless page_size is a multiple of
+// 64 and the rows are 16-byte aligned).
 cudaError_t run_decode_fp8(const PagedDecodeParams& params, const DecodeWorkspace& ws,
-                           const SplitSchedule& schedule, cudaStream_t stream);
+                           const SplitSchedule& schedule, bool seesaw, cudaStream_t stream);
+// DeepSeek V3.2 fp8_ds_mla rows: the lock-step kernel only.
 // Swap-AB kernel (decode_swapab.cuh): float8_e4m3fn cache with one
 // kv_scale, paged with page_size a multiple of 64 (TMA), at most 32 query
 // rows per request; cudaErrorNotSupported otherwise.

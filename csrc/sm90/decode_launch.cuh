@@ -15,9 +15,16 @@ cudaError_t launch_decode(const PagedDecodeParams& p, const DecodeWorkspace& ws,
                           bool seesaw, cudaStream_t stream) {
   KvTma tma;
   tma.enabled = 0;
-  if constexpr (Tr::kConvert) {
-    // FP8 rows: the lock-step kernel gathers them with cp.async and
-    // converts them on chip; there is no seesaw instantiation for them.
+  // Which kernels a cache's rows can reach: dense e4m3 rows either (the
+  // seesaw kernel loads their raw bytes with TMA); fp8_ds_mla rows only the
+  // lock-step kernel, which gathers them with cp.async.
+  constexpr bool kSeesaw = Tr::kLoad != KvLoad::kDsMla;
+  if constexpr (Tr::kLoad == KvLoad::kFp8) {
+    if (seesaw) {
+      make_kv_tma_fp8(p, &tma);
+      if (!tma.enabled) return cudaErrorNotSupported;
+    }
+  } else if constexpr (!kSeesaw) {
     if (seesaw) return cudaErrorNotSupported;
   } else {
     make_kv_tma(p, &tma);
@@ -34,7 +41,7 @@ cudaError_t launch_decode(const PagedDecodeParams& p, const DecodeWorkspace& ws,
   // The block schedule is its own instantiation of the seesaw kernel, so the
   // other modes run a kernel without its code.
   const void* kernel = reinterpret_cast<const void*>(decode_kernel<Tr>);
-  if constexpr (!Tr::kConvert) {
+  if constexpr (kSeesaw) {
     if (seesaw)
       kernel = s.schedule_in_decode ? reinterpret_cast<const void*>(decode_seesaw_kernel<Tr, true>)
                                     : reinterpret_cast<const void*>(decode_seesaw_kernel<Tr, false>);
@@ -47,7 +54,7 @@ cudaError_t launch_decode(const PagedDecodeParams& p, const DecodeWorkspace& ws,
   }
   if (!seesaw) {
     decode_kernel<Tr><<<grid, Tr::kThreads, Tr::kSmemAlloc, stream>>>(p, ws, tma);
-  } else if constexpr (!Tr::kConvert) {
+  } else if constexpr (kSeesaw) {
     if (s.schedule_in_decode) {
       decode_seesaw_kernel<Tr, true><<<grid, Tr::kThreads, Tr::kSmemAlloc, stream>>>(p, ws, s, tma);
     } else {

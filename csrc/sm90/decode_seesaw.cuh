@@ -38,6 +38,7 @@
 
 #include "csrc/smxx/schedule_block.cuh"
 #include "csrc/sm90/decode_kernel.cuh"
+#include "csrc/sm90/kv_convert.cuh"
 
 namespace mla_jax {
 namespace sm90 {
@@ -59,6 +60,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   // Named barrier ids (cutlass offsets them past its reserved ones); the
   // last two are warpgroup-local (128 threads).
   constexpr uint32_t kBarMaxA = 0, kBarMaxB = 1, kBarPa = 2, kBarPb = 3, kBarTail0 = 4, kBarTail1 = 5;
+  constexpr uint32_t kBarConv0 = 6, kBarConv1 = 7;  // warpgroup-local, FP8 conversion (kConvert)
+  static_assert(!Tr::kConvert || Tr::kLoad == KvLoad::kFp8, "the seesaw kernel converts dense e4m3 rows only");
   using cutlass::arch::NamedBarrier;
   using FullBarrier = cutlass::arch::ClusterTransactionBarrier;
 
@@ -208,17 +211,36 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       char* dst = sKv_bytes + (t % Tr::kStages) * Tr::kTileBytes;
       if (entry < 0 || entry >= p.num_pages) {
         *s_bad_page = 1;  // the request's output becomes NaN
-        for (int j = 0; j < count; ++j) FullBarrier::arrive(&bar[first + j]);
+        if constexpr (Tr::kConvert) {
+          FullBarrier::arrive(&bar[first]);
+        } else {
+          for (int j = 0; j < count; ++j) FullBarrier::arrive(&bar[first + j]);
+        }
         return;
       }
       int page, slot;
       smxx::div_page(p, (tile_begin + t) * kBlockN, page, slot);
       const int row = entry * p.page_size + slot;
+      const uint64_t hint = static_cast<uint64_t>(cute::TMA::CacheHintSm90::EVICT_FIRST);
+      if constexpr (Tr::kConvert) {
+        // e4m3 rows: a half's raw bytes (decode_traits.h, kSeeRaw*) on the
+        // half's first block barrier; converted before S reads it.
+        if (first == 0) {
+          FullBarrier::arrive_and_expect_tx(&bar[0], Tr::kSeeRawLoBytes);
+          cute::SM90_TMA_LOAD_2D::copy(&tma.ckv, &bar[0], hint, dst + Tr::kSeeRawLo, 0, row);
+          cute::SM90_TMA_LOAD_2D::copy(&tma.ckv, &bar[0], hint, dst + Tr::kSeeRawLo + 8192, 128, row);
+        } else {
+          FullBarrier::arrive_and_expect_tx(&bar[4], Tr::kSeeRawHiBytes);
+          cute::SM90_TMA_LOAD_2D::copy(&tma.ckv, &bar[4], hint, dst + Tr::kSeeRawHi, 256, row);
+          cute::SM90_TMA_LOAD_2D::copy(&tma.ckv, &bar[4], hint, dst + Tr::kSeeRawHi + 8192, 384, row);
+          cute::SM90_TMA_LOAD_2D::copy(&tma.kpe, &bar[4], hint, dst + Tr::kSeeRawRope, 0, row);
+        }
+        return;
+      }
       constexpr uint32_t kBox = 64 * 64 * 2;
       // EVICT_FIRST: the other row block's CTA still finds the tile in L2,
       // and the tile is dead after that (docs/perf.md has the comparison
       // with EVICT_NORMAL and with an L2 prefetch).
-      const uint64_t hint = static_cast<uint64_t>(cute::TMA::CacheHintSm90::EVICT_FIRST);
       for (int j = 0; j < count; ++j) {
         const int blk = first + j;
         FullBarrier::arrive_and_expect_tx(&bar[blk], kBox);
@@ -275,8 +297,28 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       mma_s.accumulate_ = decltype(first_const)::value ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
 #pragma unroll
       for (int blk = kLo; blk < kHi; ++blk) {
-        FullBarrier::wait(&kv_full[wg * Tr::kKvBlocks + blk], full_phase);
-        warpgroup_arrive();  // explicit, after the wait: one ptxas would insert there serialises
+        if constexpr (Tr::kConvert) {
+          // e4m3 rows: the half starting here lands as raw bytes on its
+          // first block's barrier; this warpgroup (the only one that reads
+          // S of this stage) converts it in place before its k-steps.
+          static_assert((kLo == 0 || kLo == 4) && (kHi == 4 || kHi == 9), "whole halves");
+          if (blk == 0 || blk == 4) {
+            FullBarrier::wait(&kv_full[wg * Tr::kKvBlocks + blk], full_phase);
+            char* stage = sKv_shared + wg * Tr::kTileBytes;
+            auto sync = [&] { NamedBarrier::sync(128, wg == 0 ? kBarConv0 : kBarConv1); };
+            if (blk == 0) {
+              convert_seesaw_half<Tr, false>(stage, wg_tid, sync);
+            } else {
+              convert_seesaw_half<Tr, true>(stage, wg_tid, sync);
+            }
+            fence_smem_for_wgmma();
+            sync();
+            warpgroup_arrive();
+          }
+        } else {
+          FullBarrier::wait(&kv_full[wg * Tr::kKvBlocks + blk], full_phase);
+          warpgroup_arrive();  // explicit, after the wait: one ptxas would insert there serialises
+        }
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
           gemm(mma_s, tSrQ(_, _, 4 * blk + j), tSrK(_, _, 4 * blk + j), tSrS);

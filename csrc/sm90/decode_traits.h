@@ -134,6 +134,24 @@ struct DecodeTraits {
   static constexpr bool kRopeDirect = kLoad == KvLoad::kDsMla && std::is_same_v<QType, __nv_bfloat16>;
   static constexpr int kRawRopeBytes = kLoad == KvLoad::kFp8 ? 64 : 128;  // per row
   static_assert(kRawScales + kBlockN * 16 <= kRawNopeHi && kRawRope + kBlockN * 128 <= 8 * 8192);
+
+  // Dense e4m3 rows in the seesaw kernel (kFp8 only): TMA brings a stage's
+  // raw bytes in the two halves its warpgroups refill (decode_seesaw.cuh),
+  // each inside the 64-feature blocks that half converts into, and placed so
+  // that the conversion can write its first output blocks before it has read
+  // all of its input (kv_convert.cuh, convert_seesaw_half):
+  //   low half (blocks 0-3): ckv bytes [0, 128) in block 2, [128, 256) in block 3;
+  //   high half (blocks 4-8): ckv bytes [256, 384) in block 7, [384, 512) in
+  //   block 8, kpe (64 bytes a row) in block 6.
+  // ckv boxes are 64 rows x 128 bytes, 128-byte swizzled; the kpe box
+  // 64 rows x 64 bytes, 64-byte swizzled (make_kv_tma_fp8): 1024- and
+  // 512-byte aligned destinations.
+  static constexpr int kSeeRawLo = 2 * 8192;
+  static constexpr int kSeeRawHi = 7 * 8192;
+  static constexpr int kSeeRawRope = 6 * 8192;
+  static constexpr uint32_t kSeeRawLoBytes = 2 * 64 * 128;
+  static constexpr uint32_t kSeeRawHiBytes = 2 * 64 * 128 + 64 * 64;
+  static_assert(kSeeRawLo % 1024 == 0 && kSeeRawHi % 1024 == 0 && kSeeRawRope % 512 == 0 && kTileBytes % 1024 == 0);
   static_assert(kWarpgroups == 2 && (kOCols / 8) % kThreadsPerRow == 0);
 };
 

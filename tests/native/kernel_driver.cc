@@ -133,7 +133,7 @@ T pick(std::mt19937_64& rng, std::initializer_list<T> xs) {
 }
 
 // kernel: the kernel requested; the shape is drawn among those it serves
-// (sm90_seesaw: paged bf16/fp16 caches with page_size a multiple of 64;
+// (sm90_seesaw: paged bf16/fp16 or e4m3 caches with page_size a multiple of 64;
 // sm90_swapab: paged e4m3 caches with page_size a multiple of 64 and at
 // most 32 query rows, or sparse fp8_ds_mla with a bf16 query and at most 16
 // heads; sm90_lockstep: any number of query rows per request).
@@ -164,7 +164,7 @@ Case draw_case(std::mt19937_64& rng, const std::string& kernel) {
     c.sink = rng() % 2;
     c.max_num_splits = 0;
   } else {
-    c.cache = swapab || (!seesaw && rng() % 2) ? Case::kFp8 : Case::kNative;
+    c.cache = swapab || rng() % 2 ? Case::kFp8 : Case::kNative;
     c.kv_packed = rng() % 2;
     if (seesaw || swapab) c.page_size = pick(rng, {64, 128});
     c.batch = 1 + rng() % 6;
