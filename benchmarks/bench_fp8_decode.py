@@ -60,14 +60,15 @@ def bench_row(b, q, h, seq, args, ceilings):
   key = jax.random.key(b * 7 + h)
   latent = jax.random.normal(key, (num_pages, PAGE_SIZE, 576), jnp.float32)
   fp8 = (latent / KV_SCALE).astype(jnp.float8_e4m3fn)
-  bf16 = (fp8.astype(jnp.float32) * KV_SCALE).astype(jnp.bfloat16)  # the same values, dequantised
+  qdt = jnp.dtype(args.query_dtype)
+  bf16 = (fp8.astype(jnp.float32) * KV_SCALE).astype(qdt)  # the same values, dequantised (the query's dtype)
   del latent
   kv_scale = jnp.asarray(KV_SCALE, jnp.float32)
   rot = 1 if args.smoke else max(1, math.ceil(120e6 / fp8.nbytes))
   est_us = counts(b, q, h, seq, 1)[1] / 4e12 * 1e6
   n_lo, n_hi = (1, 2) if args.smoke else pick_n(1.5 * est_us, 6000, 6, 40)
   reps = 2 if args.smoke else 10
-  qs = [jax.random.normal(jax.random.key(100 + i), (b, q, h, 576), jnp.float32).astype(jnp.bfloat16)
+  qs = [jax.random.normal(jax.random.key(100 + i), (b, q, h, 576), jnp.float32).astype(qdt)
         for i in range(n_hi)]
   rec = dict(b=b, q_len=q, h=h, seq=seq, kv_scale=KV_SCALE, n_lo=n_lo, n_hi=n_hi, reps=reps, cache_copies=rot)
   sel = np.arange(min(2, b))
@@ -131,6 +132,8 @@ def main(argv=None):
   ap.add_argument("--variants", default=None,
                   help="comma list of the variants to time among fp8, bf16 and the --compare kernel (default all; "
                        "fp8 alone times a build against another)")
+  ap.add_argument("--query-dtype", default="bfloat16", choices=("bfloat16", "float16"),
+                  help="the query's dtype; the 16-bit cache of variant bf16 is in it too (default bfloat16)")
   ap.add_argument("--smoke", action="store_true", help="tiny shapes: a CPU check of the script")
   ap.add_argument("--no-device-time", action="store_true")
   args = ap.parse_args(argv)
@@ -154,7 +157,7 @@ def main(argv=None):
   meta = dict(benchmark="paged_decode dense FP8 vs bf16", device=dev.device_kind, platform=dev.platform,
               date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               commit=commit, dirty=dirty, source_digest=source_digest(), env=mla_jax_env(), jax=jax.__version__,
-              backend=args.backend, compare=args.compare, ceilings=ceilings,
+              backend=args.backend, compare=args.compare, query_dtype=args.query_dtype, ceilings=ceilings,
               method="median wall-clock slope of chained jitted calls (bench_paged_decode.py); gpu_us: "
                      "profiler-trace slope; block_table/seq_lens fed as host arrays every execution",
               flops="2*q_len*sum_seq*H*(576+512)",
