@@ -48,7 +48,8 @@ class KernelChoice:
     kernel: "auto", "portable" (``mma.sync``, any CUDA GPU, every cache
       format), "sm90_lockstep" (Hopper ``wgmma``, any page size; rows in
       blocks of 64), "sm90_seesaw" (Hopper ``wgmma`` with TMA
-      loads; paged decode with ``page_size`` a multiple of 64) or
+      loads; paged decode with ``page_size`` a multiple of 64, a cache in the
+      query's dtype or ``float8_e4m3fn``) or
       "sm90_swapab" (Hopper ``wgmma`` with the tokens as M: a
       ``float8_e4m3fn`` cache, ``page_size`` a multiple of 64, at most 32
       query rows per request; sparse decode over ``fp8_ds_mla`` with a bf16
