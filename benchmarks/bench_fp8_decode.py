@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Benchmark of mla_jax.paged_decode over a dense FP8 cache against the same cache in bf16.
 
-Every row times, in one process on the same data (page 64, bf16 query,
+Every row times, in one process on the same data (page 64, bf16 query unless --query-dtype,
 scattered block table, method of bench_paged_decode.py: a jitted program of n
 chained calls, each on its own query, block_table/seq_lens fed as fresh host
 arrays; per call = median wall-clock slope between two n; GPU time = slope of

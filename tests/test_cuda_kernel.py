@@ -566,6 +566,7 @@ def test_equal_pieces_schedule_when_requests_are_few(heads, k, seq_len):
 @pytest.mark.parametrize("kernel", ["auto", "sm90_lockstep", "sm90_seesaw", "sm90_swapab", "portable"])
 @pytest.mark.parametrize("heads,q_len,page_size,dtype,layout", [
     (128, 1, 64, jnp.bfloat16, "packed"),
+    (96, 1, 128, jnp.bfloat16, "pair"),    # > 32 rows, pages of two tiles, ckv and kpe apart: seesaw
     (64, 2, 16, jnp.float16, "pair"),
     (96, 1, 1, jnp.bfloat16, "packed"),
     (33, 2, 256, jnp.bfloat16, "packed"),

@@ -98,7 +98,7 @@ def test_fp8_cache_kernel_choice(heads, page_size, want):
     got = mla_jax.explain(forced, *args, kv_scale=jax.ShapeDtypeStruct((), jnp.float32), device=H200)
     assert got.kernel.kernel == "sm90_seesaw", str(got)
   else:
-    with pytest.raises(ValueError, match="sm90_seesaw"):
+    with pytest.raises(ValueError, match="'sm90_seesaw' needs TMA loads"):
       mla_jax.explain(forced, *args, kv_scale=jax.ShapeDtypeStruct((), jnp.float32), device=H200)
 
 

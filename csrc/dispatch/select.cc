@@ -167,8 +167,8 @@ Selection select_kernel(const DecodeFacts& f, const KernelConfig& requested, std
   const bool tma = tma_tiles && plain16;
   // Dense e4m3 rows whose pages TMA can load: the seesaw kernel takes their
   // raw bytes and converts them on chip.
-  const bool tma_fp8 = tma_tiles && f.kv_format == KvFormat::kPlain && f.kv_type == ElemType::kFP8E4M3 &&
-                       f.kv_pages_contiguous;
+  const bool fp8_plain = f.kv_format == KvFormat::kPlain && f.kv_type == ElemType::kFP8E4M3 && f.kv_pages_contiguous;
+  const bool tma_fp8 = tma_tiles && fp8_plain;
   const bool wide = portable_rows_per_cta(rows) == 64;
   // FP8 rows: the lock-step kernel's cost per tile hardly depends on how many
   // of its 64 rows are live (query rows past the request's are zero), and
@@ -239,7 +239,7 @@ Selection select_kernel(const DecodeFacts& f, const KernelConfig& requested, std
         return fail(std::string("kernel '") + family_name(c.kernel) + "' needs an sm_90 device, this one is " + arch_str(f.arch));
       if (!f.build_sm90a)
         return fail(std::string("kernel '") + family_name(c.kernel) + "' needs a build with sm_90a code (MLA_JAX_CUDA_ARCHS)");
-      if (c.kernel == KernelFamily::kSm90Seesaw && !plain16 && !tma_fp8)
+      if (c.kernel == KernelFamily::kSm90Seesaw && !plain16 && !fp8_plain)
         return fail("kernel 'sm90_seesaw' serves bf16/fp16 caches in the query dtype and float8_e4m3fn caches, "
                     "pages laid end to end, only");
       if (c.kernel == KernelFamily::kSm90Lockstep && !plain16 && !fp8_lockstep)

@@ -30,12 +30,12 @@ cudaError_t run_decode_fp16(const PagedDecodeParams& params, const DecodeWorkspa
 // 64 and the rows are 16-byte aligned).
 cudaError_t run_decode_fp8(const PagedDecodeParams& params, const DecodeWorkspace& ws,
                            const SplitSchedule& schedule, bool seesaw, cudaStream_t stream);
-// DeepSeek V3.2 fp8_ds_mla rows: the lock-step kernel only.
 // Swap-AB kernel (decode_swapab.cuh): float8_e4m3fn cache with one
 // kv_scale, paged with page_size a multiple of 64 (TMA), at most 32 query
 // rows per request; cudaErrorNotSupported otherwise.
 cudaError_t run_decode_fp8_swapab(const PagedDecodeParams& params, const DecodeWorkspace& ws,
                                   const SplitSchedule& schedule, cudaStream_t stream);
+// DeepSeek V3.2 fp8_ds_mla rows: the lock-step kernel only.
 cudaError_t run_decode_ds_mla(const PagedDecodeParams& params, const DecodeWorkspace& ws,
                               const SplitSchedule& schedule, cudaStream_t stream);
 

@@ -61,6 +61,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   // last two are warpgroup-local (128 threads).
   constexpr uint32_t kBarMaxA = 0, kBarMaxB = 1, kBarPa = 2, kBarPb = 3, kBarTail0 = 4, kBarTail1 = 5;
   constexpr uint32_t kBarConv0 = 6, kBarConv1 = 7;  // warpgroup-local, FP8 conversion (kConvert)
+  static_assert(kBarConv1 < 8, "16 hardware barriers, the first 8 reserved by cutlass");
   static_assert(!Tr::kConvert || Tr::kLoad == KvLoad::kFp8, "the seesaw kernel converts dense e4m3 rows only");
   using cutlass::arch::NamedBarrier;
   using FullBarrier = cutlass::arch::ClusterTransactionBarrier;

@@ -118,7 +118,7 @@ struct DecodeTraits {
   static constexpr int kKvChunksWg1 = (kChunks - kOCols / 8) / kThreadsPerRow;  // per thread
   static_assert(kChunks % kThreadsPerRow == 0 && kBlockN % kKvRowsPerPass == 0);
 
-  // FP8 caches (kConvert, lock-step kernel only): the copies bring a tile's
+  // FP8 caches in the lock-step kernel (kConvert): the copies bring a tile's
   // raw bytes into its own stage, at offsets inside the region of the
   // warpgroup that issues them (warpgroup 0: bytes [0, 32 KB), the V half
   // its P V reads; warpgroup 1: the rest), and the CTA converts them in

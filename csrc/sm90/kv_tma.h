@@ -34,9 +34,10 @@ bool kv_tma_applies(const PagedDecodeParams& p);
 void make_kv_tma(const PagedDecodeParams& p, KvTma* tma);
 
 // The same for a dense float8_e4m3fn cache (the swap-AB kernel,
-// decode_swapab.cuh): ckv in boxes of 64 rows x 128 bytes, SWIZZLE_128B;
-// kpe in boxes of 64 rows x 64 bytes, SWIZZLE_64B (the K-major layouts of
-// its FP8 wgmma A operand). Host only.
+// decode_swapab.cuh, and the seesaw kernel's raw tiles): ckv in boxes of 64
+// rows x 128 bytes, SWIZZLE_128B; kpe in boxes of 64 rows x 64 bytes,
+// SWIZZLE_64B (the K-major layouts of the swap-AB kernel's FP8 wgmma A
+// operand). Host only.
 bool kv_tma_fp8_applies(const PagedDecodeParams& p);
 void make_kv_tma_fp8(const PagedDecodeParams& p, KvTma* tma);
 
