@@ -2,7 +2,8 @@
 
 `csrc/sm90/layout_check.cu` compares the addresses the kernel's cp.async copies
 write (and the V view it hands to wgmma) with CuTe's layouts, and the wgmma
-accumulator ownership the softmax relies on. It needs nvcc and the CUTLASS
+accumulator ownership the softmax relies on; and the seesaw kernel's in-place
+e4m3 conversion against the TMA swizzles, with its coverage and barrier order. It needs nvcc and the CUTLASS
 headers but no GPU, so CI runs it; it is skipped where either is missing.
 """
 
@@ -48,5 +49,6 @@ def test_sm90_layouts_agree_with_cute(tmp_path):
     assert build.returncode == 0, build.stdout + build.stderr
     run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stdout + run.stderr
-    for name in ("bf16", "fp16", "swapab16", "swapab32", "swapab16 fp16", "swapab32 fp16", "swapab16 sparse"):
+    for name in ("bf16", "fp16", "swapab16", "swapab32", "swapab16 fp16", "swapab32 fp16", "swapab16 sparse",
+               "seesaw e4m3", "seesaw e4m3 fp16"):
         assert f"{name}: ok" in run.stdout, run.stdout

@@ -79,6 +79,41 @@ __device__ __forceinline__ void store_converted(char* stage, int tid, const RawT
   }
 }
 
+// Where thread wg_tid's accesses of convert_seesaw_half fall (bytes from
+// the stage). Every one is a per-thread base plus a constant (the kernel
+// keeps these bases live across its tile loop, so few of them): thread
+// (i = wg_tid % 8, r0 = wg_tid / 8) handles ckv raw chunk i of rows
+// r0 + 16 k, k = 0..3, of both boxes; row r0 + 16 k is 2048 k bytes further
+// in both layouts and the swizzles' XOR depends on r0 % 8 alone. Its
+// output chunks are 2 i and 2 i + 1 (box 1: 16 chunks = two blocks later),
+// the odd one differing from the even one in bit 4 only. kpe: thread
+// (q = wg_tid % 4, rq = wg_tid / 4) handles chunk q of rows rq and rq + 32.
+// csrc/sm90/layout_check.cu checks these against the TMA swizzles and
+// qk_chunk_offset, their coverage, and the barrier phases below.
+struct SeesawConvertMap {
+  static constexpr int kRawBoxStride = 8192, kOutBoxStride = 16384, kRowStride = 2048;
+  static constexpr int kRopeRawStride = 2048, kRopeOutStride = 4096;
+  template <typename Tr, bool kHigh>
+  __host__ __device__ static int raw_ckv(int wg_tid) {
+    const int i = wg_tid % 8, r0 = wg_tid / 8;
+    return (kHigh ? Tr::kSeeRawHi : Tr::kSeeRawLo) + r0 * 128 + ((i ^ (r0 & 7)) << 4);
+  }
+  template <bool kHigh>
+  __host__ __device__ static int out_ckv(int wg_tid) {  // the even chunk; the odd one is ^ 16
+    const int i = wg_tid % 8, r0 = wg_tid / 8;
+    return qk_chunk_offset(r0, 2 * i) + (kHigh ? 4 * 8192 : 0);
+  }
+  template <typename Tr>
+  __host__ __device__ static int raw_rope(int wg_tid) {
+    const int q = wg_tid % 4, rq = wg_tid / 4;
+    return Tr::kSeeRawRope + rq * 64 + ((q ^ ((rq >> 1) & 3)) << 4);
+  }
+  template <typename Tr>
+  __host__ __device__ static int out_rope(int wg_tid) {
+    return qk_chunk_offset(wg_tid / 4, Tr::kNopeChunks + 2 * (wg_tid % 4));
+  }
+};
+
 // Seesaw kernel, dense e4m3 rows (Tr::kLoad == kFp8): one warpgroup (128
 // threads, wg_tid) converts one half of a stage in place, from the raw
 // bytes TMA left there (decode_traits.h, kSeeRaw*) into LayoutQK chunks:
@@ -101,17 +136,10 @@ __device__ __forceinline__ void store_converted(char* stage, int tid, const RawT
 template <typename Tr, bool kHigh, typename Sync>
 __device__ __forceinline__ void convert_seesaw_half(char* stage, int wg_tid, Sync&& sync) {
   using T = typename Tr::QType;
+  using M = SeesawConvertMap;
   static_assert(Tr::kLoad == KvLoad::kFp8, "dense e4m3 rows only");
-  constexpr int kRaw = kHigh ? Tr::kSeeRawHi : Tr::kSeeRawLo;
-  constexpr int kBlock0 = kHigh ? 4 : 0;  // first output block of box 0
-  // Every address below is one of four per-thread bases plus a constant
-  // (the kernel keeps these bases live across its tile loop, so few of
-  // them): row r0 + 16 k is 2048 k bytes further in both layouts, and
-  // the swizzle's XOR depends on r0 % 8 alone. Output chunk 2 i of row r0
-  // is qk_chunk_offset(r0, 2 i); chunk 2 i + 1 differs in bit 4 only.
-  const int i = wg_tid % 8, r0 = wg_tid / 8;
-  const int raw_base = kRaw + r0 * 128 + ((i ^ (r0 & 7)) << 4);
-  const int out_even = qk_chunk_offset(r0, 2 * i) + kBlock0 * 8192;
+  const int raw_base = M::raw_ckv<Tr, kHigh>(wg_tid);
+  const int out_even = M::out_ckv<kHigh>(wg_tid);
   const int out_odd = out_even ^ 16;
   auto store = [&](int at_even, int at_odd, const uint4 raw) {
     uint4 out[2];
@@ -120,34 +148,36 @@ __device__ __forceinline__ void convert_seesaw_half(char* stage, int wg_tid, Syn
     *reinterpret_cast<uint4*>(stage + at_odd) = out[1];
   };
   auto raw_chunk = [&](int box, int k) {
-    return *reinterpret_cast<const uint4*>(stage + raw_base + box * 8192 + k * 2048);
+    return *reinterpret_cast<const uint4*>(stage + raw_base + box * M::kRawBoxStride + k * M::kRowStride);
   };
-  // Box 1 lands two blocks (16 chunks) after box 0.
+  auto store_ckv = [&](int box, int k, const uint4 raw) {
+    const int at = box * M::kOutBoxStride + k * M::kRowStride;
+    store(out_even + at, out_odd + at, raw);
+  };
+  // Phase 0 (before the first barrier): box 0 read and written.
 #pragma unroll
-  for (int k = 0; k < 4; ++k) store(out_even + k * 2048, out_odd + k * 2048, raw_chunk(0, k));
+  for (int k = 0; k < 4; ++k) store_ckv(0, k, raw_chunk(0, k));
   if constexpr (!kHigh) {
+    // Phase 0: box 1 read; phase 1: written.
     uint4 box1[4];
 #pragma unroll
     for (int k = 0; k < 4; ++k) box1[k] = raw_chunk(1, k);
     sync();
 #pragma unroll
-    for (int k = 0; k < 4; ++k) store(out_even + 16384 + k * 2048, out_odd + 16384 + k * 2048, box1[k]);
+    for (int k = 0; k < 4; ++k) store_ckv(1, k, box1[k]);
   } else {
-    // kpe: 64 rows x 4 chunks (64-byte swizzle: chunk q of row r at
-    // r * 64 + ((q ^ (r / 2) % 4) << 4)), rows rq and rq + 32 per thread
-    // (the same XOR; 2048 bytes apart raw, 4096 in the output).
-    const int q = wg_tid % 4, rq = wg_tid / 4;
-    const int rope_raw = Tr::kSeeRawRope + rq * 64 + ((q ^ ((rq >> 1) & 3)) << 4);
+    // Phase 0: kpe read; phase 1: box 1 read and written; phase 2: kpe written.
+    const int rope_raw = M::raw_rope<Tr>(wg_tid), rope_out = M::out_rope<Tr>(wg_tid);
     uint4 rope[2];
 #pragma unroll
-    for (int k = 0; k < 2; ++k) rope[k] = *reinterpret_cast<const uint4*>(stage + rope_raw + k * 2048);
+    for (int k = 0; k < 2; ++k) rope[k] = *reinterpret_cast<const uint4*>(stage + rope_raw + k * M::kRopeRawStride);
     sync();
 #pragma unroll
-    for (int k = 0; k < 4; ++k) store(out_even + 16384 + k * 2048, out_odd + 16384 + k * 2048, raw_chunk(1, k));
+    for (int k = 0; k < 4; ++k) store_ckv(1, k, raw_chunk(1, k));
     sync();
-    const int rope_even = qk_chunk_offset(rq, Tr::kNopeChunks + 2 * q);
 #pragma unroll
-    for (int k = 0; k < 2; ++k) store(rope_even + k * 4096, (rope_even ^ 16) + k * 4096, rope[k]);
+    for (int k = 0; k < 2; ++k)
+      store(rope_out + k * M::kRopeOutStride, (rope_out ^ 16) + k * M::kRopeOutStride, rope[k]);
   }
 }
 

@@ -20,10 +20,20 @@
 //     its sparse form's bf16 kpe operands (LayoutKr, LayoutQr) are where
 //     the cp.async gathers and kmajor_offset() put them, and its kpe S^T
 //     accumulator (MmaSr) is laid out as the ckv one.
+//   - the seesaw kernel's in-place conversion of dense e4m3 tiles
+//     (kv_convert.cuh, SeesawConvertMap / convert_seesaw_half): every raw
+//     16-byte chunk a thread reads is where the TMA boxes' swizzle put the
+//     cache bytes it converts, every output chunk is qk_chunk_offset's for
+//     those features, each half's raw and output chunks are covered exactly
+//     once, inside that half's own blocks, and no chunk is written before
+//     every read of its bytes is behind a barrier of the warpgroup.
 // Exit status 0 when every check holds.
 #include <cstdio>
 
+#include <vector>
+
 #include "csrc/sm90/decode_kernel.cuh"
+#include "csrc/sm90/kv_convert.cuh"
 #include "csrc/sm90/swapab_traits.h"
 
 using namespace cute;
@@ -200,6 +210,98 @@ int check_swapab(const char* name) {
   return bad;
 }
 
+// The TMA swizzles as functions of a byte offset inside a box whose base is
+// aligned to the pattern's period (1024 and 512 bytes): 16-byte chunk bits
+// [4, 7) (128B) or [4, 6) (64B) XORed with bits [7, 10) or [7, 9).
+int swizzle128(int x) { return x ^ (((x >> 7) & 7) << 4); }
+int swizzle64(int x) { return x ^ (((x >> 7) & 3) << 4); }
+
+template <typename Tr, bool kHigh>
+int check_seesaw_half(const char* name) {
+  using mla_jax::sm90::qk_chunk_offset;
+  using M = mla_jax::sm90::SeesawConvertMap;
+  struct Access {
+    int off;
+    bool write;
+    int phase;  // warpgroup barriers passed before it (convert_seesaw_half's comments)
+  };
+  std::vector<Access> acc;
+  int bad = 0;
+  auto expect = [&](int got, int want, const char* what, int t, int k) {
+    if (got != want && bad++ < 5)
+      std::printf("%s: %s of thread %d, k %d at %d, expected %d\n", name, what, t, k, got, want);
+  };
+  for (int t = 0; t < 128; ++t) {
+    const int i = t % 8, out_even = M::out_ckv<kHigh>(t);
+    for (int box = 0; box < 2; ++box) {
+      for (int k = 0; k < 4; ++k) {
+        const int r = t / 8 + 16 * k;
+        const int feature = 256 * kHigh + 128 * box + 16 * i;  // first of the chunk's 16 e4m3 values
+        const int raw = M::raw_ckv<Tr, kHigh>(t) + box * M::kRawBoxStride + k * M::kRowStride;
+        const int out = out_even + box * M::kOutBoxStride + k * M::kRowStride;
+        const int out_odd = (out_even ^ 16) + box * M::kOutBoxStride + k * M::kRowStride;
+        expect(raw, (kHigh ? Tr::kSeeRawHi : Tr::kSeeRawLo) + box * 8192 + swizzle128(r * 128 + 16 * i), "raw ckv", t, k);
+        expect(out, qk_chunk_offset(r, feature / 8), "ckv output", t, k);
+        expect(out_odd, qk_chunk_offset(r, feature / 8 + 1), "ckv output (odd)", t, k);
+        const int read_phase = kHigh && box == 1 ? 1 : 0;
+        const int write_phase = box == 0 ? 0 : 1;
+        acc.push_back({raw, false, read_phase});
+        acc.push_back({out, true, write_phase});
+        acc.push_back({out_odd, true, write_phase});
+      }
+    }
+    if (kHigh) {
+      const int rope_raw = M::raw_rope<Tr>(t), rope_out = M::out_rope<Tr>(t);
+      for (int k = 0; k < 2; ++k) {
+        const int r = t / 4 + 32 * k, q = t % 4;
+        const int raw = rope_raw + k * M::kRopeRawStride;
+        const int out = rope_out + k * M::kRopeOutStride, out_odd = (rope_out ^ 16) + k * M::kRopeOutStride;
+        expect(raw, Tr::kSeeRawRope + swizzle64(r * 64 + 16 * q), "raw kpe", t, k);
+        expect(out, qk_chunk_offset(r, Tr::kNopeChunks + 2 * q), "kpe output", t, k);
+        expect(out_odd, qk_chunk_offset(r, Tr::kNopeChunks + 2 * q + 1), "kpe output (odd)", t, k);
+        acc.push_back({raw, false, 0});
+        acc.push_back({out, true, 2});
+        acc.push_back({out_odd, true, 2});
+      }
+    }
+  }
+  // Coverage, containment and ordering, by 16-byte chunk of the stage.
+  const int lo = kHigh ? 4 * 8192 : 0, hi = kHigh ? 9 * 8192 : 4 * 8192;
+  std::vector<int> writes(Tr::kTileBytes / 16, 0), reads(Tr::kTileBytes / 16, 0), last_read(Tr::kTileBytes / 16, -1);
+  for (const Access& a : acc) {
+    if (a.off % 16 != 0 || a.off < lo || a.off >= hi) {
+      if (bad++ < 5) std::printf("%s: %s at %d outside the half's blocks\n", name, a.write ? "write" : "read", a.off);
+      continue;
+    }
+    if (a.write) {
+      ++writes[a.off / 16];
+    } else {
+      ++reads[a.off / 16];
+      last_read[a.off / 16] = std::max(last_read[a.off / 16], a.phase);
+    }
+  }
+  int raw_chunks = 0;
+  for (int c = lo / 16; c < hi / 16; ++c) {
+    if (writes[c] != 1 && bad++ < 5) std::printf("%s: output chunk at %d written %d times\n", name, c * 16, writes[c]);
+    if (reads[c] > 1 && bad++ < 5) std::printf("%s: raw chunk at %d read %d times\n", name, c * 16, reads[c]);
+    raw_chunks += reads[c];
+  }
+  const int want_raw = (2 * 64 * 128 + (kHigh ? 64 * 64 : 0)) / 16;
+  if (raw_chunks != want_raw && bad++ < 5) std::printf("%s: %d raw chunks read, expected %d\n", name, raw_chunks, want_raw);
+  for (const Access& a : acc) {
+    if (a.write && a.off >= lo && a.off < hi && last_read[a.off / 16] >= a.phase && bad++ < 5)
+      std::printf("%s: chunk at %d written in phase %d, read in phase %d\n", name, a.off, a.phase, last_read[a.off / 16]);
+  }
+  return bad;
+}
+
+template <typename Tr>
+int check_seesaw_convert(const char* name) {
+  const int bad = check_seesaw_half<Tr, false>(name) + check_seesaw_half<Tr, true>(name);
+  if (!bad) std::printf("%s: ok\n", name);
+  return bad;
+}
+
 int main() {
   int bad = check_traits<mla_jax::sm90::DecodeTraits<__nv_bfloat16>>("bf16");
   bad += check_traits<mla_jax::sm90::DecodeTraits<__half>>("fp16");
@@ -209,5 +311,7 @@ int main() {
   bad += check_swapab<mla_jax::sm90::SwapAbTraits<__half, 32>>("swapab32 fp16");
   bad += check_swapab<mla_jax::sm90::SwapAbTraits<__nv_bfloat16, 16, mla_jax::sm90::kSwapAbWarpgroups,
                                                   mla_jax::sm90::kSwapAbStages, true>>("swapab16 sparse");
+  bad += check_seesaw_convert<mla_jax::sm90::DecodeTraits<__nv_bfloat16, mla_jax::sm90::KvLoad::kFp8>>("seesaw e4m3");
+  bad += check_seesaw_convert<mla_jax::sm90::DecodeTraits<__half, mla_jax::sm90::KvLoad::kFp8>>("seesaw e4m3 fp16");
   return bad ? 1 : 0;
 }
