@@ -18,6 +18,11 @@
 # there. racecheck-swapab does the same for the swap-AB kernel, whose
 # epilogue draws reports of the same kind, not yet explained.
 #
+# SEED (default the driver's) picks the cases; KERNEL (auto, portable,
+# sm90_lockstep, sm90_seesaw, sm90_swapab) draws every case for that kernel
+# request (the driver's --kernel), e.g. KERNEL=sm90_seesaw for a run aimed
+# at one kernel.
+#
 # DRIVER names a built driver; otherwise it is built with CMake into
 # BUILD_DIR (default /tmp/mla_jax_driver_build), which needs what the
 # extension's build needs (python3 with nanobind and jax, the nvidia-cutlass
@@ -40,6 +45,9 @@ if [ -z "${DRIVER:-}" ]; then
     { tail -n 40 "$OUT_DIR/driver_build.log"; exit 1; }
   DRIVER=$BUILD_DIR/mla_jax_kernel_driver
 fi
+DRIVER_ARGS=("$N")
+if [ -n "${SEED:-}" ] || [ -n "${KERNEL:-}" ]; then DRIVER_ARGS+=("${SEED:-20261202}"); fi
+if [ -n "${KERNEL:-}" ]; then DRIVER_ARGS+=(--kernel "$KERNEL"); fi
 rc=0
 for tool in "${TOOLS[@]}"; do
   log=$OUT_DIR/$tool.log
@@ -50,7 +58,7 @@ for tool in "${TOOLS[@]}"; do
     racecheck-swapab) args=(--tool racecheck --racecheck-report analysis --kernel-name kns=swapab) ;;
     *) args=(--tool "$tool" --kernel-name kns=mla) ;;
   esac
-  compute-sanitizer "${args[@]}" --error-exitcode 99 --print-limit 200 "$DRIVER" "$N" > "$log" 2>&1
+  compute-sanitizer "${args[@]}" --error-exitcode 99 --print-limit 200 "$DRIVER" "${DRIVER_ARGS[@]}" > "$log" 2>&1
   r=$?
   echo "$tool: exit $r; $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$log" | tail -n 1); $(grep -E 'cases matched' "$log")"
   if [ "$tool" = racecheck-seesaw ] || [ "$tool" = racecheck-swapab ]; then
