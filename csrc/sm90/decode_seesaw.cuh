@@ -34,6 +34,14 @@
 //   Pa (0 -> 1): P_a (rescaled) is in stage 0's rope block;
 //   Pb (1 -> 0): P_b is in the P buffer.
 // Every wgmma a warpgroup issues in a pair is waited for inside the pair.
+//
+// Dense e4m3 rows (Tr::kConvert): a refill lands a half's raw bytes (ckv
+// [0, 256) for blocks 0-3; ckv [256, 512) and kpe for blocks 4-8) on the
+// half's first block barrier, and the warpgroup that computes S over the
+// stage converts the half in place right before its k-steps
+// (kv_convert.cuh, convert_seesaw_half). The other warpgroup reads the
+// stage's V only after a hand-off that follows that S, so it finds the
+// converted tile.
 #pragma once
 
 #include "csrc/smxx/schedule_block.cuh"
