@@ -30,9 +30,10 @@ def _gather_keys(kv, safe_idx, kv_format: str, compute):
 
   k_nope and k_pe are in ``compute``. For fp8_ds_mla, k_nope holds the e4m3
   values themselves (exact in bf16 and fp16) and ``scales`` their group
-  scales, float32 [B, Q, K, 4], applied in float32 by the caller: rounding
-  e4m3 * scale to the query dtype moved lse by about 0.014 at top-k 2048
-  with arbitrary scales. For bf16 rows ``scales`` is None.
+  scales, float32 [B, Q, K, 4], applied in float32 by the caller: with
+  arbitrary (not power-of-two) scales e4m3 * scale is not exact in the
+  query dtype, and rounding it there shifts every score of a long top-k
+  the same way. For bf16 rows ``scales`` is None.
   """
   num_slots = kv.shape[0] * kv.shape[1]
   flat = kv.reshape(num_slots, kv.shape[-1])
