@@ -28,8 +28,8 @@
 //     once, inside that half's own blocks, and no chunk is written before
 //     every read of its bytes is behind a barrier of the warpgroup.
 // Exit status 0 when every check holds.
+#include <algorithm>
 #include <cstdio>
-
 #include <vector>
 
 #include "csrc/sm90/decode_kernel.cuh"
