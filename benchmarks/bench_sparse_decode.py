@@ -16,7 +16,8 @@ In one process on the same data: mla_jax as a JAX user runs it (the kernel
 auto-selection picks; method of bench_paged_decode.py: jitted program of n chained
 calls, own query each, median wall-clock slope between two n; GPU time from the
 profiler trace), the portable kernel forced through the plan (the one the Hopper
-kernel replaced), and FlashMLA when importable (flashmla_peer.py: CUDA-graph replay
+kernels replaced; --compare KERNEL forces another, e.g. sm90_lockstep, recorded under
+its name), and FlashMLA when importable (flashmla_peer.py: CUDA-graph replay
 slope) on the same bytes: our cache layout is FlashMLA's. Each result is checked
 against the float64 reference on two requests.
 
@@ -86,7 +87,7 @@ def bench_row(b, q, h, k, args, pool_tokens, peer):
   rec = dict(kind=f"sparse_{'fp8_ds_mla' if fp8 else 'bf16'}", b=b, q_len=q, h=h, topk=k,
              tokens_per_request=tpr or None, pool_tokens=pool_tokens, rot=rot, flops=flops, bytes=nbytes)
   ref = None
-  for variant in ("auto", "portable"):
+  for variant in ("auto", args.compare):
     plan = mla_jax.SparseDecodePlan(num_heads=h, page_size=PAGE_SIZE, sm_scale=SM_SCALE, topk=k, q_len=q,
                                     kv_format=args.kv_format, backend=args.backend, kernel=variant)
     step = lambda x, c, idx, plan=plan: mla_jax.sparse_decode(x, c, idx, plan=plan, return_lse=True)
@@ -133,13 +134,13 @@ def bench_row(b, q, h, k, args, pool_tokens, peer):
     except Exception as e:  # noqa: BLE001 - the peer's failure is a result
       fr = dict(error=f"{type(e).__name__}: {e}"[:300], ok=False)
     rec["flashmla"] = fr
-  m, pt, fm = rec["auto"], rec["portable"], rec.get("flashmla", {})
-  rec.update(mla_jax_us=m.get("us"), mla_jax_gpu_us=m.get("gpu_us"), portable_us=pt.get("us"),
-             flashmla_us=fm.get("us") if fm.get("ok") else None)
+  m, pt, fm = rec["auto"], rec[args.compare], rec.get("flashmla", {})
+  rec.update({"mla_jax_us": m.get("us"), "mla_jax_gpu_us": m.get("gpu_us"), f"{args.compare}_us": pt.get("us"),
+              "flashmla_us": fm.get("us") if fm.get("ok") else None})
   if rec["flashmla_us"] and m.get("us"):
     rec["mla_over_flashmla"] = m["us"] / rec["flashmla_us"]
   if pt.get("us") and m.get("us"):
-    rec["portable_over_mla"] = pt["us"] / m["us"]
+    rec[f"{args.compare}_over_mla"] = pt["us"] / m["us"]
   return rec
 
 
@@ -154,6 +155,8 @@ def main(argv=None):
   ap.add_argument("--smoke", action="store_true", help="tiny shapes: a CPU check of the script")
   ap.add_argument("--kv-format", default="fp8_ds_mla", choices=("fp8_ds_mla", "bf16"),
                   help="the cache: 656-byte fp8_ds_mla rows, or bf16 rows of 576 values (1,152 bytes)")
+  ap.add_argument("--compare", default="portable",
+                  help="the kernel forced beside the auto-selected one (default portable)")
   ap.add_argument("--tokens-per-request", type=int, default=0,
                   help="each request selects among its own N tokens (a pool of B * N, no row shared "
                        "across requests, as in serving); default: one shared 65,536-token pool")
@@ -181,6 +184,7 @@ def main(argv=None):
               date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               commit=commit, dirty=dirty, source_digest=source_digest(), env=mla_jax_env(), jax=jax.__version__,
               backend=args.backend, ceilings=ceilings, flashmla=(f"same run, {peer.version}" if peer else f"not run: {why}"),
+              compare=args.compare,
               method="mla_jax: median slope of chained jitted calls (bench_paged_decode.py), rotating caches; "
                      "gpu_us: profiler-trace slope; FlashMLA: CUDA-graph replay slope (flashmla_peer.py)",
               flops="2*B*q_len*K*H*(576+512)",
@@ -201,18 +205,18 @@ def main(argv=None):
     print(f"copy ceiling {ceilings['memcpy']['bw_Bps'] / 1e12:.2f} TB/s (torch memcpy, same run); GB/s below "
           f"are the convention's bytes per call time")
   print(f"{'B':>4} {'q':>2} {'H':>4} {'K':>5} | {'us':>8} {'gpu':>8} {'TF/s':>5} {'GB/s':>5} {'kernel':>14} | "
-        f"{'FMLA us':>8} {'TF/s':>5} {'us/FM':>6} | {'portable':>8} {'pt/us':>6} | relerr")
+        f"{'FMLA us':>8} {'TF/s':>5} {'us/FM':>6} | {args.compare[:13]:>13} {'it/us':>6} | relerr")
   ok = True
   for r in rows:
-    m, pt, fm = r["auto"], r["portable"], r.get("flashmla", {})
+    m, pt, fm = r["auto"], r[args.compare], r.get("flashmla", {})
     ok &= bool(m.get("ok")) and bool(pt.get("ok"))
     cell = lambda v, key, fmt: format(v[key], fmt) if v.get(key) is not None else "-"
     print(f"{r['b']:>4} {r['q_len']:>2} {r['h']:>4} {r['topk']:>5} | {cell(m, 'us', '8.1f'):>8} "
           f"{cell(m, 'gpu_us', '8.1f'):>8} {cell(m, 'tflops', '5.0f'):>5} {cell(m, 'gbs', '5.0f'):>5} "
           f"{m.get('kernel', 'ERROR'):>14} | {cell(fm, 'us', '8.1f'):>8} {cell(fm, 'tflops', '5.0f'):>5} "
-          f"{cell(r, 'mla_over_flashmla', '6.2f'):>6} | {cell(pt, 'us', '8.1f'):>8} "
-          f"{cell(r, 'portable_over_mla', '6.2f'):>6} | {cell(m, 'relerr', '.1e')}")
-    for name in ("auto", "portable", "flashmla"):
+          f"{cell(r, 'mla_over_flashmla', '6.2f'):>6} | {cell(pt, 'us', '13.1f'):>13} "
+          f"{cell(r, f'{args.compare}_over_mla', '6.2f'):>6} | {cell(m, 'relerr', '.1e')}")
+    for name in ("auto", args.compare, "flashmla"):
       if "error" in r.get(name, {}):
         print(f"     {name}: {r[name]['error']}")
     if fm.get("padded_heads"):
