@@ -178,6 +178,8 @@ def main(argv=None):
     if not args.smoke:  # copy and matmul ceilings, same run
       ceilings = peer.ceilings() if peer is not None else flashmla_peer.torch_ceilings()
   commit, dirty = git_commit(args.commit)
+  if args.compare == "auto":
+    ap.error("--compare names a kernel to force beside the auto-selected one, not auto")
   if args.tokens_per_request % PAGE_SIZE:
     ap.error(f"--tokens-per-request must be a multiple of the page size {PAGE_SIZE}")
   meta = dict(benchmark=f"sparse_decode {args.kv_format}", device=dev.device_kind, platform=dev.platform,
