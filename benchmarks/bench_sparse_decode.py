@@ -161,6 +161,10 @@ def main(argv=None):
                   help="each request selects among its own N tokens (a pool of B * N, no row shared "
                        "across requests, as in serving); default: one shared 65,536-token pool")
   args = ap.parse_args(argv)
+  if args.compare == "auto":
+    ap.error("--compare names a kernel to force beside the auto-selected one, not auto")
+  if args.tokens_per_request % PAGE_SIZE:
+    ap.error(f"--tokens-per-request must be a multiple of the page size {PAGE_SIZE}")
   # torch (FlashMLA, the copy ceiling) shares the GPU: JAX must not take 75 % of it up front.
   os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
   import jax
@@ -178,10 +182,6 @@ def main(argv=None):
     if not args.smoke:  # copy and matmul ceilings, same run
       ceilings = peer.ceilings() if peer is not None else flashmla_peer.torch_ceilings()
   commit, dirty = git_commit(args.commit)
-  if args.compare == "auto":
-    ap.error("--compare names a kernel to force beside the auto-selected one, not auto")
-  if args.tokens_per_request % PAGE_SIZE:
-    ap.error(f"--tokens-per-request must be a multiple of the page size {PAGE_SIZE}")
   meta = dict(benchmark=f"sparse_decode {args.kv_format}", device=dev.device_kind, platform=dev.platform,
               date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               commit=commit, dirty=dirty, source_digest=source_digest(), env=mla_jax_env(), jax=jax.__version__,
