@@ -50,5 +50,5 @@ def test_sm90_layouts_agree_with_cute(tmp_path):
     run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stdout + run.stderr
     for name in ("bf16", "fp16", "swapab16", "swapab32", "swapab16 fp16", "swapab32 fp16", "swapab16 sparse",
-               "seesaw e4m3", "seesaw e4m3 fp16"):
+               "seesaw e4m3", "seesaw e4m3 fp16", "seesaw fp8_ds_mla"):
         assert f"{name}: ok" in run.stdout, run.stdout

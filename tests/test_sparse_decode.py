@@ -557,21 +557,26 @@ HOPPER_CASES = [
 def _hopper_kernel(num_heads, dtype):
   """The kernel auto-selection picks on an sm_90 GPU for fp8_ds_mla."""
   if num_heads > 16:
-    return "sm90_lockstep"
+    return "sm90_seesaw" if dtype == jnp.bfloat16 else "sm90_lockstep"
   return "sm90_swapab" if dtype == jnp.bfloat16 else "portable"
 
 
 @GPU
-@pytest.mark.parametrize("kernel", ["auto", "portable"])
+@pytest.mark.parametrize("kernel", ["auto", "portable", "sm90_lockstep", "sm90_seesaw"])
 @pytest.mark.parametrize("num_heads,q_len,topk,scale_format,dtype", HOPPER_CASES)
 def test_hopper_fp8_ds_mla(kernel, num_heads, q_len, topk, scale_format, dtype):
-  """On an sm_90 GPU (auto) more than 16 heads run the sm90 lock-step
-  kernel, which dequantises the 656-byte rows on chip, and 16 or fewer with
-  a bf16 query the swap-AB kernel (rows gathered by index, the scales
-  applied to the S^T group sums and the V^T values); padding and
-  out-of-range indices anywhere, topk_lens with garbage (a NaN page) after
-  it, and sinks, against the float64 reference and against the portable
-  kernel."""
+  """On an sm_90 GPU (auto) more than 16 heads run the seesaw kernel with a
+  bf16 query (rows gathered by index into the halves each warpgroup frees,
+  dequantised on chip) and the lock-step kernel with an fp16 query; 16 or
+  fewer with a bf16 query the swap-AB kernel (the scales applied to the S^T
+  group sums and the V^T values). The Hopper kernels are also forced on
+  every shape they serve. Padding and out-of-range indices anywhere,
+  topk_lens with garbage (a NaN page) after it, and sinks, against the
+  float64 reference, and a second run bit for bit."""
+  if kernel.startswith("sm90") and not _hopper():
+    pytest.skip("needs an sm_90 GPU and a build with sm_90a code")
+  if kernel == "sm90_seesaw" and dtype != jnp.bfloat16:
+    pytest.skip("sm90_seesaw gathers fp8_ds_mla rows for a bf16 query only")
   b, s = 3, 64
   case = Case(seed_of("hopper", num_heads, q_len, topk, scale_format), batch=b, q_len=q_len,
               num_heads=num_heads, topk=topk, num_pages=max(40, -(-topk // s) + 8), page_size=s,
@@ -592,10 +597,53 @@ def test_hopper_fp8_ds_mla(kernel, num_heads, q_len, topk, scale_format, dtype):
   plan = dataclasses.replace(case.plan("cuda"), kernel=kernel)
   if kernel == "auto" and _hopper():
     assert mla_jax.explain(plan, case.query, kv, idx).kernel.kernel == _hopper_kernel(num_heads, dtype)
+  if kernel.startswith("sm90"):
+    assert mla_jax.explain(plan, case.query, kv, idx).kernel.kernel == kernel
   ref = case.reference(indices=idx, topk_lens=lens, kv_cache=kv, attn_sink=sink)
   out, lse = run_sparse("cuda", case.query, kv, idx, plan, topk_lens=lens, attn_sink=sink)
   assert_matches(out, lse, *ref, case.dtype)
   out2, lse2 = run_sparse("cuda", case.query, kv, idx, plan, topk_lens=lens, attn_sink=sink)
+  np.testing.assert_array_equal(np.asarray(out2.astype(jnp.float32)), np.asarray(out.astype(jnp.float32)))
+  np.testing.assert_array_equal(np.asarray(lse2), np.asarray(lse))
+
+
+@GPU
+@pytest.mark.parametrize("schedule", ["auto", "kernel", "block"])
+def test_hopper_seesaw_long_items(schedule):
+  """The seesaw kernel's gathers over items of many tiles: 48 entries x
+  q_len 2 at 64 heads with top-k 2048 (96 requests: the block schedule
+  unless forced) give whole requests of up to 32 tiles, so every half of
+  both stages is gathered and converted many times and the half barriers'
+  parities carry across items. Mixed topk_lens (0, short, odd, full),
+  garbage after them pointing at a NaN page, padding and out-of-range
+  entries in the middle, a tile of nothing but padding; every entry
+  against the float64 reference, and a second run bit for bit."""
+  if not _hopper():
+    pytest.skip("needs an sm_90 GPU and a build with sm_90a code")
+  b, q_len, h, topk, s = 48, 2, 64, 2048, 64
+  case = Case(seed_of("seesaw-long", schedule), batch=b, q_len=q_len, num_heads=h, topk=topk, num_pages=72,
+              page_size=s, kv_format="fp8_ds_mla", scale_format="pow2", dtype=jnp.bfloat16)
+  nan_page = case.num_slots // s - 1
+  kv = nan_page_cache(case, nan_page)
+  idx = np.where(case.indices // s == nan_page, case.indices % s, case.indices).astype(np.int32)
+  rng = np.random.default_rng(11)
+  lens = rng.integers(1, topk + 1, b).astype(np.int32)
+  lens[::5] = topk
+  lens[3], lens[4] = 0, 65
+  for r in range(b):
+    idx[r, :, lens[r]:] = nan_page * s + 2                  # garbage past topk_lens: never read
+    pad = rng.choice(topk, 9, replace=False)
+    idx[r, 0, pad] = np.array([-1, case.num_slots, -7, INT32_MAX, -1, -1, case.num_slots + 3, -2, -1], np.int32)
+  idx[0, 1, 128:192] = -1                                   # a whole tile of padding
+  choice = mla_jax.KernelChoice(kernel="sm90_seesaw", schedule=schedule)
+  plan = dataclasses.replace(case.plan("cuda"), kernel=choice)
+  got = mla_jax.explain(plan, case.query, kv, idx).kernel
+  assert got.kernel == "sm90_seesaw" and got.schedule == ("block" if schedule == "auto" else schedule), str(got)
+  out, lse = run_sparse("cuda", case.query, kv, idx, plan, topk_lens=lens)
+  ref_out, ref_lse = reference_sparse_decode(case.query.astype(np.float32), kv, idx, case.plan("xla"),
+                                             topk_lens=lens)
+  assert_matches(out, lse, ref_out, ref_lse, case.dtype)
+  out2, lse2 = run_sparse("cuda", case.query, kv, idx, plan, topk_lens=lens)
   np.testing.assert_array_equal(np.asarray(out2.astype(jnp.float32)), np.asarray(out.astype(jnp.float32)))
   np.testing.assert_array_equal(np.asarray(lse2), np.asarray(lse))
 

@@ -63,7 +63,7 @@ cudaError_t run_paged_decode(const PagedDecodeParams& params, const DecodeWorksp
       if (config.kernel == KernelFamily::kSm90SwapAB) {
         err = sm90::run_decode_fp8_swapab(params, ws, schedule, stream);
       } else if (params.kv_format == KvFormat::kFp8DsMla) {
-        err = seesaw ? cudaErrorNotSupported : sm90::run_decode_ds_mla(params, ws, schedule, stream);
+        err = sm90::run_decode_ds_mla(params, ws, schedule, seesaw, stream);
       } else if (params.kv_type == ElemType::kFP8E4M3) {
         err = sm90::run_decode_fp8(params, ws, schedule, seesaw, stream);
       } else {

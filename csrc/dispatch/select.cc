@@ -185,6 +185,11 @@ Selection select_kernel(const DecodeFacts& f, const KernelConfig& requested, std
   const bool swapab_sparse = f.op == DecodeOp::kSparse && f.kv_format == KvFormat::kFp8DsMla &&
                              f.q_type == ElemType::kBF16 && f.kv_pages_contiguous && f.kv_aligned &&
                              rows <= kSwapAbSparseMaxRows;
+  // The seesaw kernel's sparse form: fp8_ds_mla rows gathered by index
+  // (cp.async, 16-byte aligned), a bf16 query; above the swap-AB kernel's
+  // rows it takes the place of the lock-step kernel.
+  const bool seesaw_sparse = f.op == DecodeOp::kSparse && f.kv_format == KvFormat::kFp8DsMla &&
+                             f.q_type == ElemType::kBF16 && f.kv_pages_contiguous && f.kv_aligned;
   const bool swapab = (tma_tiles && f.kv_format == KvFormat::kPlain && f.kv_type == ElemType::kFP8E4M3 &&
                        f.kv_pages_contiguous && rows <= kSwapAbMaxRows) ||
                       swapab_sparse;
@@ -216,6 +221,11 @@ Selection select_kernel(const DecodeFacts& f, const KernelConfig& requested, std
       c.kernel = KernelFamily::kSm90Seesaw;
       note([&] { return std::string("kernel: sm90_seesaw (sm_90, a paged cache whose page_size is a multiple of 64: TMA loads whole "
            "64-token tiles; " + std::to_string(rows) + " query rows per request in 64-row blocks)"); });
+    } else if (seesaw_sparse && lockstep_rows) {
+      c.kernel = KernelFamily::kSm90Seesaw;
+      note([&] { return std::string("kernel: sm90_seesaw (sm_90, sparse decode over fp8_ds_mla rows with a bf16 query and " +
+           std::to_string(rows) + " heads, more than sm90_swapab takes: each warpgroup gathers the halves of the tiles "
+           "it frees by index and converts the tiles it multiplies first)"); });
     } else if (tma_fp8 && lockstep_rows) {
       c.kernel = KernelFamily::kSm90Seesaw;
       note([&] { return std::string("kernel: sm90_seesaw (sm_90, a float8_e4m3fn cache whose page_size is a multiple of 64 and " +
@@ -239,9 +249,10 @@ Selection select_kernel(const DecodeFacts& f, const KernelConfig& requested, std
         return fail(std::string("kernel '") + family_name(c.kernel) + "' needs an sm_90 device, this one is " + arch_str(f.arch));
       if (!f.build_sm90a)
         return fail(std::string("kernel '") + family_name(c.kernel) + "' needs a build with sm_90a code (MLA_JAX_CUDA_ARCHS)");
-      if (c.kernel == KernelFamily::kSm90Seesaw && !plain16 && !fp8_plain)
+      if (c.kernel == KernelFamily::kSm90Seesaw && !plain16 && !fp8_plain && !seesaw_sparse)
         return fail("kernel 'sm90_seesaw' serves bf16/fp16 caches in the query dtype and float8_e4m3fn caches, "
-                    "pages laid end to end, only");
+                    "pages laid end to end, and sparse decode over fp8_ds_mla rows (pages laid end to end, 16-byte "
+                    "aligned) with a bf16 query, only");
       if (c.kernel == KernelFamily::kSm90Lockstep && !plain16 && !fp8_lockstep)
         return fail("kernel 'sm90_lockstep' serves bf16/fp16 caches in the query dtype with pages laid end to end, "
                     "and FP8 caches (e4m3 with kv_scale, fp8_ds_mla) with pages laid end to end and 16-byte "
@@ -252,7 +263,7 @@ Selection select_kernel(const DecodeFacts& f, const KernelConfig& requested, std
                     std::to_string(kSwapAbMaxRows) + " query rows per request (q_len x heads), and sparse decode "
                     "over fp8_ds_mla rows (pages laid end to end, 16-byte aligned) with a bf16 query and at most " +
                     std::to_string(kSwapAbSparseMaxRows) + " heads, only");
-      if (c.kernel == KernelFamily::kSm90Seesaw && !tma && !tma_fp8)
+      if (c.kernel == KernelFamily::kSm90Seesaw && !tma && !tma_fp8 && !seesaw_sparse)
         return fail("kernel 'sm90_seesaw' needs TMA loads: paged decode with page_size a multiple of 64 and "
                     "16-byte aligned cache rows");
     }

@@ -35,9 +35,11 @@ cudaError_t run_decode_fp8(const PagedDecodeParams& params, const DecodeWorkspac
 // rows per request; cudaErrorNotSupported otherwise.
 cudaError_t run_decode_fp8_swapab(const PagedDecodeParams& params, const DecodeWorkspace& ws,
                                   const SplitSchedule& schedule, cudaStream_t stream);
-// DeepSeek V3.2 fp8_ds_mla rows: the lock-step kernel only.
+// DeepSeek V3.2 fp8_ds_mla rows: the lock-step kernel, or with `seesaw`
+// the seesaw kernel, gathering the rows by index (sparse decode with a bf16
+// query only; cudaErrorNotSupported otherwise).
 cudaError_t run_decode_ds_mla(const PagedDecodeParams& params, const DecodeWorkspace& ws,
-                              const SplitSchedule& schedule, cudaStream_t stream);
+                              const SplitSchedule& schedule, bool seesaw, cudaStream_t stream);
 
 }  // namespace sm90
 }  // namespace mla_jax

@@ -67,6 +67,21 @@ __host__ __device__ __forceinline__ int qk_chunk_offset(int row, int chunk) {
   return (row & 7) * 128 + (row >> 3) * 1024 + (chunk >> 3) * 8192 + (((chunk & 7) ^ (row & 7)) << 4);
 }
 
+// Sparse: the top-k entry at position pos of a request (index row
+// `table`), as stored, or -1 past the item's end; sparse_checked turns an
+// entry into its cache row, or -1 for padding and out-of-range entries
+// (never read, masked out); sparse_row does both.
+__device__ __forceinline__ int sparse_entry(const int32_t* table, int pos, int64_t tok_end) {
+  return pos < tok_end ? table[pos] : -1;
+}
+__device__ __forceinline__ int sparse_checked(const PagedDecodeParams& p, int idx) {
+  return (idx >= 0 && int64_t{idx} < int64_t{p.num_pages} * p.page_size) ? idx : -1;
+}
+__device__ __forceinline__ int sparse_row(const PagedDecodeParams& p, const int32_t* table, int pos,
+                                          int64_t tok_end) {
+  return sparse_checked(p, sparse_entry(table, pos, tok_end));
+}
+
 // One scheduler item: request b's 64-token blocks [block_begin, block_end),
 // as KV tiles [tile_begin, tile_begin + num_tiles) clipped to its length.
 struct DecodeItem {

@@ -16,16 +16,17 @@ cudaError_t launch_decode(const PagedDecodeParams& p, const DecodeWorkspace& ws,
   KvTma tma;
   tma.enabled = 0;
   // Which kernels a cache's rows can reach: dense e4m3 rows either (the
-  // seesaw kernel loads their raw bytes with TMA); fp8_ds_mla rows only the
-  // lock-step kernel, which gathers them with cp.async.
-  constexpr bool kSeesaw = Tr::kLoad != KvLoad::kDsMla;
+  // seesaw kernel loads their raw bytes with TMA); fp8_ds_mla rows the
+  // lock-step kernel, and with a bf16 query in sparse decode the seesaw
+  // kernel, both gathering them with cp.async.
+  constexpr bool kSeesaw = Tr::kLoad != KvLoad::kDsMla || Tr::kRopeDirect;
   if constexpr (Tr::kLoad == KvLoad::kFp8) {
     if (seesaw) {
       make_kv_tma_fp8(p, &tma);
       if (!tma.enabled) return cudaErrorNotSupported;
     }
-  } else if constexpr (!kSeesaw) {
-    if (seesaw) return cudaErrorNotSupported;
+  } else if constexpr (Tr::kLoad == KvLoad::kDsMla) {
+    if (seesaw && (!kSeesaw || p.indices == nullptr)) return cudaErrorNotSupported;
   } else {
     make_kv_tma(p, &tma);
     if (seesaw && !tma.enabled) return cudaErrorNotSupported;

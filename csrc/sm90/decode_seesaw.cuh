@@ -70,7 +70,11 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   constexpr uint32_t kBarMaxA = 0, kBarMaxB = 1, kBarPa = 2, kBarPb = 3, kBarTail0 = 4, kBarTail1 = 5;
   constexpr uint32_t kBarConv0 = 6, kBarConv1 = 7;  // warpgroup-local, FP8 conversion (kConvert)
   static_assert(kBarConv1 < 8, "16 hardware barriers, the first 8 reserved by cutlass");
-  static_assert(!Tr::kConvert || Tr::kLoad == KvLoad::kFp8, "the seesaw kernel converts dense e4m3 rows only");
+  // fp8_ds_mla rows (sparse decode, bf16 query): gathered by index with
+  // cp.async instead of TMA boxes (see the header).
+  constexpr bool kGather = Tr::kLoad == KvLoad::kDsMla;
+  static_assert(!Tr::kConvert || Tr::kLoad == KvLoad::kFp8 || (kGather && Tr::kRopeDirect),
+                "the seesaw kernel converts dense e4m3 rows and fp8_ds_mla rows with a bf16 query only");
   using cutlass::arch::NamedBarrier;
   using FullBarrier = cutlass::arch::ClusterTransactionBarrier;
 
@@ -132,9 +136,14 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   // One barrier per 64-feature block of each stage (one arrival: the
   // issuing thread, plus the box's bytes), so S can start on the first
   // block of a tile while the others are still arriving.
+  // Gathers (kGather): the two half barriers of a stage (blocks 0 and 4)
+  // take one arrival from each of the refilling warpgroup's 128 threads.
   if (tid == 0) {
 #pragma unroll
-    for (int i = 0; i < Tr::kStages * Tr::kKvBlocks; ++i) FullBarrier::init(&kv_full[i], 1);
+    for (int i = 0; i < Tr::kStages * Tr::kKvBlocks; ++i) {
+      const int blk = i % Tr::kKvBlocks;
+      FullBarrier::init(&kv_full[i], kGather && (blk == 0 || blk == 4) ? 128 : 1);
+    }
     cutlass::arch::fence_barrier_init();
   }
   __syncthreads();  // also publishes the inline schedule
@@ -197,7 +206,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     const int64_t tok_end = it.tok_end;
     const int tile_begin = it.tile_begin;
     const int num_tiles = it.num_tiles;
-    const int32_t* table = p.block_table + static_cast<int64_t>(it.b) * p.max_pages_per_seq;
+    // Dense: the request's block-table row; gathers: its top-k index row.
+    const int32_t* table = kGather ? p.indices + static_cast<int64_t>(it.b) * p.topk
+                                   : p.block_table + static_cast<int64_t>(it.b) * p.max_pages_per_seq;
 
     cute::cp_async_wait<0>();
     __syncthreads();  // the previous item is done with every buffer
@@ -262,6 +273,50 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     };
     // This warpgroup's part of a whole tile (prologue): 0-3 or 4-8.
     auto issue_own_part = [&](int t, int entry) { issue_boxes(t, entry, wg == 0 ? 0 : 4, wg == 0 ? 4 : 5); };
+    // Gathers (kGather): rows[0], rows[1] of lane l are the cache rows (or
+    // -1: padding, out of range, past the item's end) of tokens l and l + 32
+    // of a tile, looked up by every lane of both warpgroups: each
+    // warpgroup's gathers cover all 64 rows of its half, and its own tile's
+    // rows are its softmax mask (tile_mask).
+    auto fetch_rows = [&](int t, int (&rows)[2]) {
+      const int pos = (tile_begin + t) * kBlockN + lane;
+      rows[0] = sparse_row(p, table, pos, tok_end);
+      rows[1] = sparse_row(p, table, pos + 32, tok_end);
+    };
+    // One half of tile t into its stage, gathered by this whole warpgroup
+    // (high: blocks 4-8, else 0-3; kv_convert.cuh, gather_seesaw_half_ds).
+    auto gather_half = [&](int t, const int (&rows)[2], bool high) {
+      if constexpr (kGather) {
+        int mine[4];  // the rows of tokens wg_tid / 8 + 16 k
+#pragma unroll
+        for (int k = 0; k < 4; ++k) mine[k] = __shfl_sync(0xffffffffu, rows[k >> 1], (wg_tid / 8 + 16 * k) & 31);
+        uint64_t* bar = &kv_full[(t % Tr::kStages) * Tr::kKvBlocks];
+        char* dst = sKv_shared + (t % Tr::kStages) * Tr::kTileBytes;
+        if (high) {
+          gather_seesaw_half_ds<Tr, true>(p, dst, &bar[4], wg_tid, mine);
+        } else {
+          gather_seesaw_half_ds<Tr, false>(p, dst, &bar[0], wg_tid, mine);
+        }
+      }
+    };
+    auto gather_own_part = [&](int t, const int (&rows)[2]) { gather_half(t, rows, wg == 1); };
+    // Gathers: which tokens of this warpgroup's current tile are cache rows,
+    // shifted to this thread's S columns: bit 8 (j % 4) + e of word j / 4
+    // stands for accumulator element 4 j + e's column, accumulator_col =
+    // 2 (wg_tid % 4) + e + 8 j (e < 2). Warp-uniform before the shift.
+    uint32_t tile_mask[2] = {~0u, ~0u};
+    auto set_tile_mask = [&](const int (&rows)[2]) {
+      const int shift = 2 * (wg_tid % 4);
+      tile_mask[0] = __ballot_sync(0xffffffffu, rows[0] >= 0) >> shift;
+      tile_mask[1] = __ballot_sync(0xffffffffu, rows[1] >= 0) >> shift;
+    };
+    // Whether accumulator element i's token is a cache row (i static).
+    auto element_in_mask = [&](int i) { return ((tile_mask[(i >> 4) & 1] >> (8 * ((i >> 2) & 3) + (i & 1))) & 1u) != 0; };
+    // Every token of the tile a cache row (the shifted words keep bits
+    // [0, 32 - shift) of the ballots; the top bits come in as zeros).
+    auto mask_full = [&] {
+      return (tile_mask[0] & tile_mask[1]) == ~0u >> (2 * (wg_tid % 4));
+    };
     // TMA copies whole 64-row tiles, so in the request's last tile (length
     // not a multiple of 64) the rows at or past tok_end hold whatever the
     // cache has in those slots. Their P is 0, but 0 x NaN or 0 x Inf is NaN
@@ -273,6 +328,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     // are the same in every thread, so the barrier is taken or skipped by
     // the whole warpgroup.
     auto clear_v_tail = [&](int t, int stage) {
+      if constexpr (kGather) return;  // cp.async zero-fills the rows past the end
       const int valid = static_cast<int>(tok_end - int64_t{tile_begin + t} * kBlockN);
       if (valid >= kBlockN) return;
       char* dst = sKv_shared + stage * Tr::kTileBytes;
@@ -315,7 +371,15 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             FullBarrier::wait(&kv_full[wg * Tr::kKvBlocks + blk], full_phase);
             char* stage = sKv_shared + wg * Tr::kTileBytes;
             auto sync = [&] { NamedBarrier::sync(128, wg == 0 ? kBarConv0 : kBarConv1); };
-            if (blk == 0) {
+            if constexpr (kGather) {
+              // The stage was written by cp.async (generic proxy), the kpe
+              // block in place: the fence below also covers it.
+              if (blk == 0) {
+                convert_seesaw_half_ds<Tr, false>(stage, wg_tid, sync);
+              } else {
+                convert_seesaw_half_ds<Tr, true>(stage, wg_tid, sync);
+              }
+            } else if (blk == 0) {
               convert_seesaw_half<Tr, false>(stage, wg_tid, sync);
             } else {
               convert_seesaw_half<Tr, true>(stage, wg_tid, sync);
@@ -354,7 +418,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       warpgroup_commit_batch();
     };
     // Row maxima of tile t's scaled, masked S (quad-reduced).
-    auto visible_all = [&](int t) { return (tile_begin + t) * kBlockN + kBlockN <= min(limit[0], limit[1]); };
+    auto visible_all = [&](int t) {
+      return (tile_begin + t) * kBlockN + kBlockN <= min(limit[0], limit[1]) &&
+             (!kGather || mask_full());
+    };
     auto tile_rowmax = [&](int t, float (&tile_max)[2]) {
       const int tok0 = (tile_begin + t) * kBlockN;
       tile_max[0] = tile_max[1] = -INFINITY;
@@ -365,7 +432,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 #pragma unroll
         for (int i = 0; i < size(tSrS); ++i) {
           const int rr = accumulator_row_half(i);
-          if (tok0 + get<1>(tScS(i)) < limit[rr]) tile_max[rr] = fmaxf(tile_max[rr], tSrS(i) * scale_log2);
+          const int col = get<1>(tScS(i));
+          if (tok0 + col < limit[rr] && (!kGather || element_in_mask(i))) tile_max[rr] = fmaxf(tile_max[rr], tSrS(i) * scale_log2);
         }
       }
 #pragma unroll
@@ -386,7 +454,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       for (int i = 0; i < size(tSrS); ++i) {
         const int rr = accumulator_row_half(i);
         float e = fast_exp2(fmaf(tSrS(i), scale_log2, neg_m[rr]));
-        if (!all) e = tok0 + get<1>(tScS(i)) < limit[rr] ? e : 0.f;
+        if (!all) {
+          const int col = get<1>(tScS(i));
+          e = tok0 + col < limit[rr] && (!kGather || element_in_mask(i)) ? e : 0.f;
+        }
         sum[rr] += e;
         tSrS(i) = e;
         tOrP(i) = static_cast<Elem>(e);
@@ -416,9 +487,21 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 
     // Prologue: tiles 0 and 1 (each warpgroup its boxes), the query, then
     // S(0) in warpgroup 0 and S(1) in warpgroup 1, each waited for.
-    if (num_tiles > 0) issue_own_part(0, wg_tid == 0 ? fetch_entry(0) : 0);
-    if (num_tiles > 1) issue_own_part(1, wg_tid == 0 ? fetch_entry(1) : 0);
-    cute::cp_async_wait<0>();
+    // Gathers: the rows of the tiles a and b of the next pair (every lane).
+    int rows_a[2] = {-1, -1}, rows_b[2] = {-1, -1};
+    if constexpr (kGather) {
+      if (num_tiles > 0) fetch_rows(0, rows_a);
+      if (num_tiles > 1) fetch_rows(1, rows_b);
+      if (num_tiles > 0) gather_own_part(0, rows_a);
+      if (num_tiles > 1) gather_own_part(1, rows_b);
+      // The query's group only: the gathers were not committed to a group
+      // (they arrive on their barriers).
+      asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+    } else {
+      if (num_tiles > 0) issue_own_part(0, wg_tid == 0 ? fetch_entry(0) : 0);
+      if (num_tiles > 1) issue_own_part(1, wg_tid == 0 ? fetch_entry(1) : 0);
+      cute::cp_async_wait<0>();
+    }
     fence_smem_for_wgmma();
     __syncthreads();  // the query landed
     if (wg < num_tiles) {  // warpgroup w's first tile is tile w
@@ -440,7 +523,16 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       const int ta = 2 * k, tb = 2 * k + 1;
       // Entries of the next pair's tiles, read now to be ready mid-pair.
       int entry_a = 0, entry_b = 0;
-      if (wg_tid == 0) {
+      if constexpr (kGather) {
+        // This pair's own tile's rows (loaded a pair ago) become its mask.
+        if (wg == 0) {
+          set_tile_mask(rows_a);
+        } else {
+          set_tile_mask(rows_b);
+        }
+        if (kNextA) fetch_rows(ta + 2, rows_a);
+        if (kNextB) fetch_rows(tb + 2, rows_b);
+      } else if (wg_tid == 0) {
         if (kNextA) entry_a = fetch_entry(ta + 2);
         if (kNextB) entry_b = fetch_entry(tb + 2);
       }
@@ -463,7 +555,13 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         issue_pv_regs(0);  // O_L += P_a V_aL
         warpgroup_wait<0>();
         warpgroup_fence_operand(tOrO);
-        if (kNextA) issue_boxes(ta + 2, entry_a, 0, 4);  // V_aL is free
+        if (kNextA) {  // V_aL is free
+          if constexpr (kGather) {
+            gather_half(ta + 2, rows_a, false);
+          } else {
+            issue_boxes(ta + 2, entry_a, 0, 4);
+          }
+        }
         if constexpr (kHasB) {
           NamedBarrier::sync(256, kBarMaxB);
           read_max(m_b, 1);
@@ -491,7 +589,11 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         }
         if constexpr (kNextB) {
           warpgroup_wait<1>();  // P_b V_bL done: V_bL is free
-          issue_boxes(tb + 2, entry_b, 0, 4);
+          if constexpr (kGather) {
+            gather_half(tb + 2, rows_b, false);
+          } else {
+            issue_boxes(tb + 2, entry_b, 0, 4);
+          }
         }
         if constexpr (kNextA) {
           issue_s_blocks(Four{}, Nine{}, std::false_type{});
@@ -535,11 +637,21 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         issue_pv_smem(sPa, 0);  // O_R += P_a V_aR
         if constexpr (kNextB) {
           warpgroup_wait<1>();  // P_b V_bR done: V_bR and tile b's rope are free
-          issue_boxes(tb + 2, entry_b, 4, 5);
+          if constexpr (kGather) {
+            gather_half(tb + 2, rows_b, true);
+          } else {
+            issue_boxes(tb + 2, entry_b, 4, 5);
+          }
         }
         warpgroup_wait<0>();  // P_a V_aR done: V_aR and P_a are free
         warpgroup_fence_operand(tOrO);
-        if (kNextA) issue_boxes(ta + 2, entry_a, 4, 5);
+        if (kNextA) {
+          if constexpr (kGather) {
+            gather_half(ta + 2, rows_a, true);
+          } else {
+            issue_boxes(ta + 2, entry_a, 4, 5);
+          }
+        }
         if constexpr (kNextB) {
           issue_s_blocks(Four{}, Nine{}, std::true_type{});  // S(b + 2): the blocks freed first
           issue_s_blocks(Zero{}, Four{}, std::false_type{});

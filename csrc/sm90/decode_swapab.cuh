@@ -71,21 +71,6 @@ __device__ __forceinline__ void cp_async_4(void* smem, const void* gmem, bool pr
                                                          *static_cast<uint32_t*>(smem), pred);
 }
 
-// Sparse: the top-k entry at position pos of a request (index row
-// `table`), as stored, or -1 past the item's end; sparse_checked turns an
-// entry into its cache row, or -1 for padding and out-of-range entries
-// (never read, masked out); sparse_row does both.
-__device__ __forceinline__ int sparse_entry(const int32_t* table, int pos, int64_t tok_end) {
-  return pos < tok_end ? table[pos] : -1;
-}
-__device__ __forceinline__ int sparse_checked(const PagedDecodeParams& p, int idx) {
-  return (idx >= 0 && int64_t{idx} < int64_t{p.num_pages} * p.page_size) ? idx : -1;
-}
-__device__ __forceinline__ int sparse_row(const PagedDecodeParams& p, const int32_t* table, int pos,
-                                          int64_t tok_end) {
-  return sparse_checked(p, sparse_entry(table, pos, tok_end));
-}
-
 // Sparse: warp `warp`'s share of a tile into `stage` (rows[i] of lane l:
 // the cache row of token l + 32 i, or -1): its ckv box, its group's scale,
 // and kpe chunks 2 warp and 2 warp + 1, zero where the row is < 0; then one

@@ -152,6 +152,24 @@ struct DecodeTraits {
   static constexpr uint32_t kSeeRawLoBytes = 2 * 64 * 128;
   static constexpr uint32_t kSeeRawHiBytes = 2 * 64 * 128 + 64 * 64;
   static_assert(kSeeRawLo % 1024 == 0 && kSeeRawHi % 1024 == 0 && kSeeRawRope % 512 == 0 && kTileBytes % 1024 == 0);
+
+  // fp8_ds_mla rows in the seesaw kernel (sparse decode, bf16 query): the
+  // warpgroup that frees a half gathers the next tile's bytes into it with
+  // cp.async (decode_seesaw.cuh), each inside the blocks the half converts
+  // into, placed so that each conversion phase writes only bytes no thread
+  // reads later (kv_convert.cuh, convert_seesaw_half_ds):
+  //   low half (blocks 0-3): the float32 scales of groups 0 and 1 (8 bytes a
+  //   row) at the start of block 0, ckv bytes [0, 128) in block 2 and
+  //   [128, 256) in block 3;
+  //   high half (blocks 4-8): the scales of groups 2 and 3 at the start of
+  //   block 4, ckv bytes [256, 384) in block 7 and [384, 512) in block 6, and
+  //   the bf16 kpe straight into block 8, its place in LayoutQK.
+  // A raw ckv box is 64 rows x 128 bytes with 16-byte chunk i of row r at
+  // r * 128 + ((i ^ r % 8) << 4), the same swizzle as the e4m3 TMA boxes.
+  static constexpr int kDsLoScales = 0;
+  static constexpr int kDsLoBox0 = 2 * 8192, kDsLoBox1 = 3 * 8192;
+  static constexpr int kDsHiScales = 4 * 8192;
+  static constexpr int kDsHiBox0 = 7 * 8192, kDsHiBox1 = 6 * 8192;
   static_assert(kWarpgroups == 2 && (kOCols / 8) % kThreadsPerRow == 0);
 };
 

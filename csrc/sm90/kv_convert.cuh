@@ -16,6 +16,8 @@
 #include "csrc/sm90/decode_common.cuh"
 #include "csrc/smxx/fp8_convert.cuh"
 
+#include <cutlass/arch/barrier.h>
+
 namespace mla_jax {
 namespace sm90 {
 
@@ -179,6 +181,106 @@ __device__ __forceinline__ void convert_seesaw_half(char* stage, int wg_tid, Syn
     for (int k = 0; k < 2; ++k)
       store(rope_out + k * M::kRopeOutStride, (rope_out ^ 16) + k * M::kRopeOutStride, rope[k]);
   }
+}
+
+// fp8_ds_mla rows in the seesaw kernel (decode_traits.h, kDs*): where thread
+// wg_tid of a warpgroup gathers one half of a tile and where it converts it.
+// Thread (i = wg_tid % 8, r0 = wg_tid / 8) handles rows r0 + 16 k, k = 0..3:
+// ckv chunk i of both raw boxes (8 lanes on one row's 128 contiguous bytes,
+// in the copy and in the conversion), kpe chunk i (high half), and the
+// scales of row r0 + 16 i when i < 4. Row r0 + 16 k is 2048 k bytes further
+// in the raw boxes and in LayoutQK; the output chunks are those of
+// SeesawConvertMap::out_ckv. csrc/sm90/layout_check.cu checks the map, its
+// coverage and the conversion's barrier phases.
+struct SeesawDsMap {
+  static constexpr int kRowStride = 2048, kOutBoxStride = 16384;
+  template <typename Tr, bool kHigh>
+  __host__ __device__ static int raw_box(int box) {
+    return kHigh ? (box == 0 ? Tr::kDsHiBox0 : Tr::kDsHiBox1) : (box == 0 ? Tr::kDsLoBox0 : Tr::kDsLoBox1);
+  }
+  // Chunk i of row r0 of raw box `box` (row r0 + 16 k: + k kRowStride).
+  template <typename Tr, bool kHigh>
+  __host__ __device__ static int raw_ckv(int wg_tid, int box) {
+    const int i = wg_tid % 8, r0 = wg_tid / 8;
+    return raw_box<Tr, kHigh>(box) + r0 * 128 + ((i ^ (r0 & 7)) << 4);
+  }
+  // The two scales (groups 2 kHigh and 2 kHigh + 1) of row r.
+  template <typename Tr, bool kHigh>
+  __host__ __device__ static int scales(int r) {
+    return (kHigh ? Tr::kDsHiScales : Tr::kDsLoScales) + r * 8;
+  }
+  // First byte of the row that chunk i of box `box` copies (from the row's start).
+  template <bool kHigh>
+  __host__ __device__ static int source_ckv(int wg_tid, int box) {
+    return 256 * kHigh + 128 * box + 16 * (wg_tid % 8);
+  }
+};
+
+// This warpgroup's gather of one half of a tile (kHigh: ckv [256, 512),
+// scales 2-3 and kpe; else ckv [0, 256) and scales 0-1) into `stage`, for
+// the cache rows rows[k] of tokens r0 + 16 k (-1: padding or past the end,
+// zero-filled, never read), then one arrival per thread on `bar` once its
+// copies have landed (the barrier expects 128).
+template <typename Tr, bool kHigh>
+__device__ __forceinline__ void gather_seesaw_half_ds(const PagedDecodeParams& p, char* stage, uint64_t* bar,
+                                                      int wg_tid, const int (&rows)[4]) {
+  using M = SeesawDsMap;
+  static_assert(Tr::kLoad == KvLoad::kDsMla && Tr::kRopeDirect, "fp8_ds_mla rows with a bf16 query");
+  const char* ckv = static_cast<const char*>(p.ckv);
+  const int i = wg_tid % 8, r0 = wg_tid / 8;
+  const int raw0 = M::raw_ckv<Tr, kHigh>(wg_tid, 0), raw1 = M::raw_ckv<Tr, kHigh>(wg_tid, 1);
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const bool live = rows[k] >= 0;
+    const int64_t row = live ? rows[k] : 0;
+    const char* src = ckv + row * p.ckv_token_stride;
+    smxx::cp_async_16(stage + raw0 + k * M::kRowStride, src + M::source_ckv<kHigh>(wg_tid, 0), live);
+    smxx::cp_async_16(stage + raw1 + k * M::kRowStride, src + M::source_ckv<kHigh>(wg_tid, 1), live);
+    // The kpe part sits in the same 656-byte row (ffi/decode_args.cc sets
+    // p.kpe to byte kDsMlaRopeOffset of p.ckv, with the same token stride).
+    if constexpr (kHigh)
+      smxx::cp_async_16(stage + qk_chunk_offset(r0 + 16 * k, Tr::kNopeChunks + i), src + kDsMlaRopeOffset + 16 * i, live);
+    if (i == k) smxx::cp_async_8(stage + M::scales<Tr, kHigh>(r0 + 16 * k), src + kDsMlaScaleOffset + 8 * kHigh, live);
+  }
+  cutlass::arch::cpasync_barrier_arrive_noinc(bar);
+}
+
+// Seesaw kernel, fp8_ds_mla rows: one warpgroup converts one half of a
+// stage in place, from the bytes gather_seesaw_half_ds left there, into
+// LayoutQK chunks (e4m3 times its group's scale, rounded to bf16; the kpe
+// is in place already). `sync` is a barrier of the 128 threads; the caller
+// fences for wgmma and synchronises before any wgmma reads the half.
+//   phase 0: the scales of this thread's rows read; barrier (they sit
+//            where box 0's output goes);
+//   phase 1: box 0 -> its two blocks; box 1 read; barrier;
+//   phase 2: box 1 -> its two blocks (where the raw boxes were).
+template <typename Tr, bool kHigh, typename Sync>
+__device__ __forceinline__ void convert_seesaw_half_ds(char* stage, int wg_tid, Sync&& sync) {
+  using T = typename Tr::QType;
+  using M = SeesawDsMap;
+  static_assert(Tr::kLoad == KvLoad::kDsMla && Tr::kRopeDirect, "fp8_ds_mla rows with a bf16 query");
+  const int r0 = wg_tid / 8;
+  float2 scale[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) scale[k] = *reinterpret_cast<const float2*>(stage + M::scales<Tr, kHigh>(r0 + 16 * k));
+  sync();
+  const int raw0 = M::raw_ckv<Tr, kHigh>(wg_tid, 0), raw1 = M::raw_ckv<Tr, kHigh>(wg_tid, 1);
+  const int out_even = SeesawConvertMap::out_ckv<kHigh>(wg_tid);
+  auto store = [&](int at, const uint4 raw, float s) {
+    uint4 out[2];
+    smxx::e4m3x16_to<T, false>(raw, s, out);
+    *reinterpret_cast<uint4*>(stage + at) = out[0];
+    *reinterpret_cast<uint4*>(stage + (at ^ 16)) = out[1];
+  };
+#pragma unroll
+  for (int k = 0; k < 4; ++k)
+    store(out_even + k * M::kRowStride, *reinterpret_cast<const uint4*>(stage + raw0 + k * M::kRowStride), scale[k].x);
+  uint4 box1[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) box1[k] = *reinterpret_cast<const uint4*>(stage + raw1 + k * M::kRowStride);
+  sync();
+#pragma unroll
+  for (int k = 0; k < 4; ++k) store(out_even + M::kOutBoxStride + k * M::kRowStride, box1[k], scale[k].y);
 }
 
 }  // namespace sm90

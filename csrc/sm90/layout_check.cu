@@ -302,6 +302,116 @@ int check_seesaw_convert(const char* name) {
   return bad;
 }
 
+// fp8_ds_mla rows in the seesaw kernel (kv_convert.cuh: SeesawDsMap,
+// gather_seesaw_half_ds, convert_seesaw_half_ds), byte by byte over one half:
+// what each thread's gather copies where (source byte of the 656-byte row
+// -> stage byte), that the conversion turns every gathered ckv chunk into the
+// LayoutQK chunks of its features with its own group's scale, that the gathers
+// and the converted output each cover the half exactly once (the kpe block by
+// the gather alone), and that no conversion phase writes a byte that any
+// thread reads in that phase or a later one.
+template <typename Tr, bool kHigh>
+int check_seesaw_ds_half(const char* name) {
+  using mla_jax::kDsMlaRopeOffset;
+  using mla_jax::kDsMlaScaleOffset;
+  using mla_jax::sm90::qk_chunk_offset;
+  using M = mla_jax::sm90::SeesawDsMap;
+  using C = mla_jax::sm90::SeesawConvertMap;
+  int bad = 0;
+  const int lo = kHigh ? 4 * 8192 : 0, hi = kHigh ? 9 * 8192 : 4 * 8192;
+  // Per stage byte: (row, source byte) the gathers put there, or -1.
+  std::vector<int> src_row(Tr::kTileBytes, -1), src_byte(Tr::kTileBytes, -1);
+  std::vector<int> written(Tr::kTileBytes, 0), last_read(Tr::kTileBytes, -1), first_write(Tr::kTileBytes, 99);
+  auto gathered = [&](int at, int row, int byte, int n) {
+    for (int j = 0; j < n; ++j) {
+      if (at + j < lo || at + j >= hi) {
+        if (bad++ < 5) std::printf("%s: gather of row %d byte %d lands at %d, outside the half\n", name, row, byte + j, at + j);
+        return;
+      }
+      if (src_row[at + j] >= 0 && bad++ < 5) std::printf("%s: two gathers write stage byte %d\n", name, at + j);
+      src_row[at + j] = row;
+      src_byte[at + j] = byte + j;
+    }
+  };
+  for (int t = 0; t < 128; ++t) {
+    const int i = t % 8, r0 = t / 8;
+    for (int k = 0; k < 4; ++k) {
+      const int r = r0 + 16 * k;
+      for (int box = 0; box < 2; ++box) {
+        const int at = M::raw_ckv<Tr, kHigh>(t, box) + k * M::kRowStride;
+        const int byte = M::source_ckv<kHigh>(t, box);
+        if (at != M::raw_box<Tr, kHigh>(box) + swizzle128(r * 128 + 16 * i) && bad++ < 5)
+          std::printf("%s: raw ckv of thread %d k %d box %d at %d, not the box's swizzled chunk\n", name, t, k, box, at);
+        gathered(at, r, byte, 16);
+      }
+      if (kHigh) gathered(qk_chunk_offset(r, Tr::kNopeChunks + i), r, kDsMlaRopeOffset + 16 * i, 16);
+      if (i == k) gathered(M::scales<Tr, kHigh>(r), r, kDsMlaScaleOffset + 8 * kHigh, 8);
+    }
+  }
+  int gathered_bytes = 0;
+  for (int b = lo; b < hi; ++b) gathered_bytes += src_row[b] >= 0;
+  const int want_gathered = 64 * (256 + 8 + (kHigh ? 128 : 0));
+  if (gathered_bytes != want_gathered && bad++ < 5)
+    std::printf("%s: %d bytes gathered, expected %d\n", name, gathered_bytes, want_gathered);
+  // The conversion, phase by phase: reads (scales in phase 0, both raw boxes
+  // in phase 1), writes (box 0 in phase 1, box 1 in phase 2).
+  auto read = [&](int at, int n, int phase, int row, int byte) {
+    for (int j = 0; j < n; ++j) {
+      last_read[at + j] = std::max(last_read[at + j], phase);
+      if ((src_row[at + j] != row || src_byte[at + j] != byte + j) && bad++ < 5)
+        std::printf("%s: conversion reads stage byte %d as row %d byte %d, the gather put row %d byte %d there\n", name,
+                    at + j, row, byte + j, src_row[at + j], src_byte[at + j]);
+    }
+  };
+  auto write = [&](int at, int phase) {
+    for (int j = 0; j < 16; ++j) {
+      ++written[at + j];
+      first_write[at + j] = std::min(first_write[at + j], phase);
+    }
+  };
+  for (int t = 0; t < 128; ++t) {
+    const int r0 = t / 8;
+    const int out_even = C::out_ckv<kHigh>(t);
+    for (int k = 0; k < 4; ++k) {
+      const int r = r0 + 16 * k;
+      read(M::scales<Tr, kHigh>(r), 8, 0, r, kDsMlaScaleOffset + 8 * kHigh);
+      for (int box = 0; box < 2; ++box) {
+        const int byte = M::source_ckv<kHigh>(t, box);
+        read(M::raw_ckv<Tr, kHigh>(t, box) + k * M::kRowStride, 16, 1, r, byte);
+        // 16 e4m3 values = features [byte, byte + 16): LayoutQK chunks byte / 8 and + 1,
+        // scaled by group byte / 128, which is scale .x (box 0) or .y (box 1) of the
+        // pair at bytes 2 kHigh, 2 kHigh + 1 of the four.
+        if (byte / 128 != 2 * kHigh + box && bad++ < 5)
+          std::printf("%s: thread %d box %d converts group %d with scale %d\n", name, t, box, byte / 128, 2 * kHigh + box);
+        const int out = out_even + box * M::kOutBoxStride + k * M::kRowStride;
+        if (out != qk_chunk_offset(r, byte / 8) && bad++ < 5)
+          std::printf("%s: thread %d k %d box %d writes %d, LayoutQK has row %d feature %d at %d\n", name, t, k, box, out,
+                      r, byte, qk_chunk_offset(r, byte / 8));
+        if ((out ^ 16) != qk_chunk_offset(r, byte / 8 + 1) && bad++ < 5)
+          std::printf("%s: thread %d k %d box %d odd chunk at %d\n", name, t, k, box, out ^ 16);
+        write(out, box == 0 ? 1 : 2);
+        write(out ^ 16, box == 0 ? 1 : 2);
+      }
+    }
+  }
+  for (int b = lo; b < hi; ++b) {
+    const bool rope = kHigh && b >= 8 * 8192;
+    if (written[b] != (rope ? 0 : 1) && bad++ < 5)
+      std::printf("%s: stage byte %d written %d times by the conversion\n", name, b, written[b]);
+    if (rope && src_row[b] < 0 && bad++ < 5) std::printf("%s: kpe byte %d not gathered\n", name, b);
+    if (written[b] > 0 && last_read[b] >= first_write[b] && bad++ < 5)
+      std::printf("%s: stage byte %d written in phase %d, read in phase %d\n", name, b, first_write[b], last_read[b]);
+  }
+  return bad;
+}
+
+template <typename Tr>
+int check_seesaw_ds(const char* name) {
+  const int bad = check_seesaw_ds_half<Tr, false>(name) + check_seesaw_ds_half<Tr, true>(name);
+  if (!bad) std::printf("%s: ok\n", name);
+  return bad;
+}
+
 int main() {
   int bad = check_traits<mla_jax::sm90::DecodeTraits<__nv_bfloat16>>("bf16");
   bad += check_traits<mla_jax::sm90::DecodeTraits<__half>>("fp16");
@@ -313,5 +423,6 @@ int main() {
                                                   mla_jax::sm90::kSwapAbStages, true>>("swapab16 sparse");
   bad += check_seesaw_convert<mla_jax::sm90::DecodeTraits<__nv_bfloat16, mla_jax::sm90::KvLoad::kFp8>>("seesaw e4m3");
   bad += check_seesaw_convert<mla_jax::sm90::DecodeTraits<__half, mla_jax::sm90::KvLoad::kFp8>>("seesaw e4m3 fp16");
+  bad += check_seesaw_ds<mla_jax::sm90::DecodeTraits<__nv_bfloat16, mla_jax::sm90::KvLoad::kDsMla>>("seesaw fp8_ds_mla");
   return bad ? 1 : 0;
 }

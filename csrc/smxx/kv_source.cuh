@@ -32,6 +32,13 @@ __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool p
                                                                *static_cast<cute::uint128_t*>(smem), pred);
 }
 
+// 8 bytes global -> shared (through L1: an 8-byte copy has no L2-only
+// form), zero-filled when !pred.
+__device__ __forceinline__ void cp_async_8(void* smem, const void* gmem, bool pred) {
+  cute::SM80_CP_ASYNC_CACHEALWAYS_ZFILL<uint64_t>::copy(*static_cast<const uint64_t*>(gmem),
+                                                         *static_cast<uint64_t*>(smem), pred);
+}
+
 // Where position `tok` of a request is stored. page >= 0: read page/slot.
 // page -1: nothing to read (tok >= tok_end, or a sparse padding index; the
 // kernels zero-fill and mask it). page -2: a live dense page id outside

@@ -133,31 +133,33 @@ T pick(std::mt19937_64& rng, std::initializer_list<T> xs) {
 }
 
 // kernel: the kernel requested; the shape is drawn among those it serves
-// (sm90_seesaw: paged bf16/fp16 or e4m3 caches with page_size a multiple of 64;
-// sm90_swapab: paged e4m3 caches with page_size a multiple of 64 and at
+// (sm90_seesaw: paged bf16/fp16 or e4m3 caches with page_size a multiple of 64,
+// or sparse fp8_ds_mla with a bf16 query; sm90_swapab: paged e4m3 caches with page_size a multiple of 64 and at
 // most 32 query rows, or sparse fp8_ds_mla with a bf16 query and at most 16
 // heads; sm90_lockstep: any number of query rows per request).
 Case draw_case(std::mt19937_64& rng, const std::string& kernel) {
   Case c;
   const bool seesaw = kernel == "sm90_seesaw";
   const bool swapab = kernel == "sm90_swapab";
-  c.sparse = !seesaw && rng() % 3 == 0;
+  c.sparse = rng() % 3 == 0;
   c.q_type = rng() % 4 == 0 ? ElemType::kF16 : ElemType::kBF16;
   c.q_packed = rng() % 2;
   c.heads = pick(rng, {1, 3, 12, 16, 32, 48, 64, 96, 128});
   c.page_size = pick(rng, {1, 16, 32, 64, 64, 128});
   c.max_num_splits = pick(rng, {0, 0, 1, 2, 5});
   if (c.sparse) {
-    c.cache = !swapab && rng() % 3 == 0 ? Case::kNative : Case::kDsMla;
+    c.cache = !swapab && !seesaw && rng() % 3 == 0 ? Case::kNative : Case::kDsMla;
     if (swapab) {
       c.q_type = ElemType::kBF16;
       c.heads = pick(rng, {1, 3, 8, 12, 16});
     }
+    if (seesaw) c.q_type = ElemType::kBF16;
     c.batch = 1 + rng() % 4;
     c.q_len = 1 + rng() % 2;
     c.topk = pick(rng, {1, 33, 64, 100, 130, 257});
-    if (swapab && rng() % 2) {
-      // Items of many tiles, so that the swap-AB kernel refills its ring.
+    if ((swapab || seesaw) && rng() % 2) {
+      // Items of many tiles, so that the kernel refills its stages many
+      // times (and, past 32 requests, the seesaw kernel's block schedule).
       c.batch = 8 + rng() % 17;
       c.topk = pick(rng, {1000, 2049});
     }
