@@ -2,8 +2,9 @@
 
 `csrc/sm90/layout_check.cu` compares the addresses the kernel's cp.async copies
 write (and the V view it hands to wgmma) with CuTe's layouts, and the wgmma
-accumulator ownership the softmax relies on; and the seesaw kernel's in-place
-e4m3 conversion against the TMA swizzles, with its coverage and barrier order. It needs nvcc and the CUTLASS
+accumulator ownership the softmax relies on; the seesaw kernel's in-place
+e4m3 conversion against the TMA swizzles, with its coverage and barrier order;
+and its fp8_ds_mla gathers and conversion, byte by byte. It needs nvcc and the CUTLASS
 headers but no GPU, so CI runs it; it is skipped where either is missing.
 """
 

@@ -1,7 +1,8 @@
 // Host entry points of the Hopper (sm_90a) decode kernels: wgmma through
 // CuTe, 64 query rows per CTA (fewer rows are zero-filled to one block).
 // Two schedules (decode_launch.cuh): seesaw for caches TMA loads tile by
-// tile, lock-step otherwise. When they serve a call is decided by
+// tile and for sparse fp8_ds_mla rows with a bf16 query, lock-step
+// otherwise (and the swap-AB kernel for FP8 caches with few query rows). When they serve a call is decided by
 // csrc/dispatch/select.cc. The scheduler, the scratch layout and the
 // combine kernel are the shared ones (csrc/smxx).
 #pragma once

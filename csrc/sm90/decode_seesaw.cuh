@@ -1,6 +1,7 @@
 // Kernel body of the Hopper (sm_90a) decode for TMA-loadable caches (dense,
-// page_size a multiple of 64; csrc/sm90/kv_tma.h): the two warpgroups take
-// turns instead of working in lock-step. Included by decode_launch.cuh.
+// page_size a multiple of 64; csrc/sm90/kv_tma.h) and for the fp8_ds_mla
+// rows of sparse decode (gathered by index): the two warpgroups take turns
+// instead of working in lock-step. Included by decode_launch.cuh.
 //
 // Tiles go in pairs (a, b) = (2k, 2k + 1); tile a always lives in stage 0,
 // tile b in stage 1. Warpgroup 0 computes S over the whole of tile a,
@@ -42,6 +43,15 @@
 // (kv_convert.cuh, convert_seesaw_half). The other warpgroup reads the
 // stage's V only after a hand-off that follows that S, so it finds the
 // converted tile.
+//
+// fp8_ds_mla rows (kGather, sparse decode with a bf16 query): the same
+// halves, owners and barriers, but a refill is a cp.async gather by the
+// whole refilling warpgroup (every lane looked up the tile's rows at the
+// start of the pair), each thread arriving on the half's barrier once its
+// copies land (kv_convert.cuh, gather_seesaw_half_ds); the converting
+// warpgroup applies each row's group scales (convert_seesaw_half_ds).
+// Padding, out-of-range entries and positions past the end are zero-filled
+// and masked out of the softmax by the rows looked up (tile_mask).
 #pragma once
 
 #include "csrc/smxx/schedule_block.cuh"
