@@ -79,8 +79,12 @@ ffi::Error prepare(const char* op, DecodeOp kind, int device_ordinal, const Page
 ffi::Error launch_status(const char* op, const Launch& run, cudaError_t err) {
   if (err == cudaSuccess) return ffi::Error::Success();
   if (err == cudaErrorNotSupported && run.config.kernel == KernelFamily::kSm90Seesaw)
-    return internal_error(op, "the driver could not encode the cache's TMA descriptors that kernel 'sm90_seesaw' "
-                              "loads with; plan kernel='sm90_lockstep' or 'portable' avoids them");
+    return internal_error(op, std::string_view(op) == kSparseDecodeOp
+                                  ? "kernel 'sm90_seesaw' cannot gather this cache's rows (fp8_ds_mla rows, 16-byte "
+                                    "aligned, pages laid end to end, a bf16 query); plan kernel='sm90_lockstep' or "
+                                    "'portable' avoids it"
+                                  : "the driver could not encode the cache's TMA descriptors that kernel 'sm90_seesaw' "
+                                    "loads with; plan kernel='sm90_lockstep' or 'portable' avoids them");
   if (err == cudaErrorNotSupported && run.config.kernel == KernelFamily::kSm90SwapAB)
     return internal_error(op, std::string_view(op) == kSparseDecodeOp
                                   ? "kernel 'sm90_swapab' cannot gather this cache's rows (they must be 16-byte "

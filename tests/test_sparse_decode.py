@@ -608,20 +608,22 @@ def test_hopper_fp8_ds_mla(kernel, num_heads, q_len, topk, scale_format, dtype):
 
 
 @GPU
-@pytest.mark.parametrize("schedule", ["auto", "kernel", "block"])
-def test_hopper_seesaw_long_items(schedule):
+@pytest.mark.parametrize("schedule,h", [("auto", 64), ("kernel", 64), ("block", 128)])
+def test_hopper_seesaw_long_items(schedule, h):
   """The seesaw kernel's gathers over items of many tiles: 48 entries x
-  q_len 2 at 64 heads with top-k 2048 (96 requests: the block schedule
-  unless forced) give whole requests of up to 32 tiles, so every half of
-  both stages is gathered and converted many times and the half barriers'
-  parities carry across items. Mixed topk_lens (0, short, odd, full),
-  garbage after them pointing at a NaN page, padding and out-of-range
-  entries in the middle, a tile of nothing but padding; every entry
-  against the float64 reference, and a second run bit for bit."""
+  q_len 2 with top-k 2048 (96 requests: the block schedule unless forced)
+  give whole requests of up to 32 tiles, so every half of both stages is
+  gathered and converted many times and the half barriers' parities carry
+  across items; at 128 heads over two row blocks. Mixed topk_lens (0,
+  short, odd, full), garbage after them pointing at a NaN page, padding
+  and out-of-range entries in the middle, a tile of nothing but padding;
+  every entry against the float64 reference, and a second run bit for bit.
+  pow2 scales: with arbitrary ones the e4m3 x scale products rounded to
+  bf16 move lse by up to ~0.025 at this top-k (docs/kernels.md)."""
   if not _hopper():
     pytest.skip("needs an sm_90 GPU and a build with sm_90a code")
-  b, q_len, h, topk, s = 48, 2, 64, 2048, 64
-  case = Case(seed_of("seesaw-long", schedule), batch=b, q_len=q_len, num_heads=h, topk=topk, num_pages=72,
+  b, q_len, topk, s = 48, 2, 2048, 64
+  case = Case(seed_of("seesaw-long", schedule, h), batch=b, q_len=q_len, num_heads=h, topk=topk, num_pages=72,
               page_size=s, kv_format="fp8_ds_mla", scale_format="pow2", dtype=jnp.bfloat16)
   nan_page = case.num_slots // s - 1
   kv = nan_page_cache(case, nan_page)

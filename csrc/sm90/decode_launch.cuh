@@ -26,7 +26,11 @@ cudaError_t launch_decode(const PagedDecodeParams& p, const DecodeWorkspace& ws,
       if (!tma.enabled) return cudaErrorNotSupported;
     }
   } else if constexpr (Tr::kLoad == KvLoad::kDsMla) {
-    if (seesaw && (!kSeesaw || p.indices == nullptr)) return cudaErrorNotSupported;
+    // The gathers read a row's kpe at byte kDsMlaRopeOffset of its ckv row
+    // (where ffi/decode_args.cc points p.kpe).
+    const bool kpe_in_row = static_cast<const char*>(p.kpe) == static_cast<const char*>(p.ckv) + kDsMlaRopeOffset &&
+                            p.kpe_token_stride == p.ckv_token_stride;
+    if (seesaw && (!kSeesaw || p.indices == nullptr || !kpe_in_row)) return cudaErrorNotSupported;
   } else {
     make_kv_tma(p, &tma);
     if (seesaw && !tma.enabled) return cudaErrorNotSupported;

@@ -299,7 +299,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       if constexpr (kGather) {
         int mine[4];  // the rows of tokens wg_tid / 8 + 16 k
 #pragma unroll
-        for (int k = 0; k < 4; ++k) mine[k] = __shfl_sync(0xffffffffu, rows[k >> 1], (wg_tid / 8 + 16 * k) & 31);
+        for (int k = 0; k < 4; ++k) mine[k] = __shfl_sync(0xffffffffu, rows[k >> 1], SeesawDsMap::row_lane(wg_tid, k));
         uint64_t* bar = &kv_full[(t % Tr::kStages) * Tr::kKvBlocks];
         char* dst = sKv_shared + (t % Tr::kStages) * Tr::kTileBytes;
         if (high) {
@@ -311,22 +311,20 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     };
     auto gather_own_part = [&](int t, const int (&rows)[2]) { gather_half(t, rows, wg == 1); };
     // Gathers: which tokens of this warpgroup's current tile are cache rows,
-    // shifted to this thread's S columns: bit 8 (j % 4) + e of word j / 4
-    // stands for accumulator element 4 j + e's column, accumulator_col =
-    // 2 (wg_tid % 4) + e + 8 j (e < 2). Warp-uniform before the shift.
-    uint32_t tile_mask[2] = {~0u, ~0u};
+    // shifted to this thread's S columns (SeesawDsMap::mask_*; the ballots
+    // are warp-uniform, the shift per thread).
+    constexpr uint32_t kKeep = SeesawDsMap::kMaskKeep;
+    uint32_t tile_mask = kKeep | (kKeep << 2);
     auto set_tile_mask = [&](const int (&rows)[2]) {
-      const int shift = 2 * (wg_tid % 4);
-      tile_mask[0] = __ballot_sync(0xffffffffu, rows[0] >= 0) >> shift;
-      tile_mask[1] = __ballot_sync(0xffffffffu, rows[1] >= 0) >> shift;
+      const int shift = SeesawDsMap::mask_shift(wg_tid);
+      tile_mask = ((__ballot_sync(0xffffffffu, rows[0] >= 0) >> shift) & kKeep) |
+                  (((__ballot_sync(0xffffffffu, rows[1] >= 0) >> shift) & kKeep) << 2);
     };
     // Whether accumulator element i's token is a cache row (i static).
-    auto element_in_mask = [&](int i) { return ((tile_mask[(i >> 4) & 1] >> (8 * ((i >> 2) & 3) + (i & 1))) & 1u) != 0; };
-    // Every token of the tile a cache row (the shifted words keep bits
-    // [0, 32 - shift) of the ballots; the top bits come in as zeros).
-    auto mask_full = [&] {
-      return (tile_mask[0] & tile_mask[1]) == ~0u >> (2 * (wg_tid % 4));
-    };
+    auto element_in_mask = [&](int i) { return ((tile_mask >> SeesawDsMap::mask_bit(i)) & 1u) != 0; };
+    // All of this thread's 16 tokens are cache rows (per thread: a warp
+    // with some masked tokens takes the masked path in some threads).
+    auto mask_full = [&] { return tile_mask == (kKeep | (kKeep << 2)); };
     // TMA copies whole 64-row tiles, so in the request's last tile (length
     // not a multiple of 64) the rows at or past tok_end hold whatever the
     // cache has in those slots. Their P is 0, but 0 x NaN or 0 x Inf is NaN

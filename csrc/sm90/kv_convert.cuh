@@ -214,6 +214,29 @@ struct SeesawDsMap {
   __host__ __device__ static int source_ckv(int wg_tid, int box) {
     return 256 * kHigh + 128 * box + 16 * (wg_tid % 8);
   }
+  // High half: where the kpe chunk of row r0 goes (its LayoutQK place in
+  // block 8; row r0 + 16 k: + k kRowStride), and its first byte in the row.
+  template <typename Tr>
+  __host__ __device__ static int kpe(int wg_tid) {
+    return qk_chunk_offset(wg_tid / 8, Tr::kNopeChunks + wg_tid % 8);
+  }
+  __host__ __device__ static int source_kpe(int wg_tid) { return kDsMlaRopeOffset + 16 * (wg_tid % 8); }
+  // The rows come from fetch_rows in decode_seesaw.cuh: lane l looked up
+  // tokens l (word 0) and l + 32 (word 1) of the tile; token r0 + 16 k is
+  // word k / 2 of lane row_lane(wg_tid, k).
+  __host__ __device__ static int row_lane(int wg_tid, int k) { return (wg_tid / 8 + 16 * k) & 31; }
+  // The softmax mask (decode_seesaw.cuh, tile_mask): the ballots of those
+  // two words, each shifted right by mask_shift so that the thread's own
+  // S columns (accumulator_col: 2 (wg_tid % 4) + e + 8 j) land on bits
+  // kMaskKeep, the second word's then moved up by 2, in one register;
+  // accumulator element i's token is bit mask_bit(i).
+  static constexpr uint32_t kMaskKeep = 0x03030303u;
+  __host__ __device__ static int mask_shift(int wg_tid) { return 2 * (wg_tid % 4); }
+  __host__ __device__ static int mask_bit(int i) { return 8 * ((i >> 2) & 3) + (i & 1) + 2 * ((i >> 4) & 1); }
+  // The k whose row's scales this thread copies (none when >= 4).
+  __host__ __device__ static int scale_k(int wg_tid) { return wg_tid % 8; }
+  template <bool kHigh>
+  __host__ __device__ static int source_scales() { return kDsMlaScaleOffset + 8 * kHigh; }
 };
 
 // This warpgroup's gather of one half of a tile (kHigh: ckv [256, 512),
@@ -227,8 +250,9 @@ __device__ __forceinline__ void gather_seesaw_half_ds(const PagedDecodeParams& p
   using M = SeesawDsMap;
   static_assert(Tr::kLoad == KvLoad::kDsMla && Tr::kRopeDirect, "fp8_ds_mla rows with a bf16 query");
   const char* ckv = static_cast<const char*>(p.ckv);
-  const int i = wg_tid % 8, r0 = wg_tid / 8;
+  const int r0 = wg_tid / 8;
   const int raw0 = M::raw_ckv<Tr, kHigh>(wg_tid, 0), raw1 = M::raw_ckv<Tr, kHigh>(wg_tid, 1);
+  const int kpe_at = M::kpe<Tr>(wg_tid);
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
     const bool live = rows[k] >= 0;
@@ -238,9 +262,9 @@ __device__ __forceinline__ void gather_seesaw_half_ds(const PagedDecodeParams& p
     smxx::cp_async_16(stage + raw1 + k * M::kRowStride, src + M::source_ckv<kHigh>(wg_tid, 1), live);
     // The kpe part sits in the same 656-byte row (ffi/decode_args.cc sets
     // p.kpe to byte kDsMlaRopeOffset of p.ckv, with the same token stride).
-    if constexpr (kHigh)
-      smxx::cp_async_16(stage + qk_chunk_offset(r0 + 16 * k, Tr::kNopeChunks + i), src + kDsMlaRopeOffset + 16 * i, live);
-    if (i == k) smxx::cp_async_8(stage + M::scales<Tr, kHigh>(r0 + 16 * k), src + kDsMlaScaleOffset + 8 * kHigh, live);
+    if constexpr (kHigh) smxx::cp_async_16(stage + kpe_at + k * M::kRowStride, src + M::source_kpe(wg_tid), live);
+    if (M::scale_k(wg_tid) == k)
+      smxx::cp_async_8(stage + M::scales<Tr, kHigh>(r0 + 16 * k), src + M::source_scales<kHigh>(), live);
   }
   cutlass::arch::cpasync_barrier_arrive_noinc(bar);
 }

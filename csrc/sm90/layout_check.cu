@@ -344,8 +344,13 @@ int check_seesaw_ds_half(const char* name) {
           std::printf("%s: raw ckv of thread %d k %d box %d at %d, not the box's swizzled chunk\n", name, t, k, box, at);
         gathered(at, r, byte, 16);
       }
-      if (kHigh) gathered(qk_chunk_offset(r, Tr::kNopeChunks + i), r, kDsMlaRopeOffset + 16 * i, 16);
-      if (i == k) gathered(M::scales<Tr, kHigh>(r), r, kDsMlaScaleOffset + 8 * kHigh, 8);
+      if (kHigh) {
+        const int at = M::kpe<Tr>(t) + k * M::kRowStride;
+        gathered(at, r, M::source_kpe(t), 16);
+        if (at != qk_chunk_offset(r, Tr::kNopeChunks + i) || M::source_kpe(t) != kDsMlaRopeOffset + 16 * i)
+          if (bad++ < 5) std::printf("%s: kpe chunk of thread %d k %d misplaced\n", name, t, k);
+      }
+      if (M::scale_k(t) == k) gathered(M::scales<Tr, kHigh>(r), r, M::source_scales<kHigh>(), 8);
     }
   }
   int gathered_bytes = 0;
@@ -407,7 +412,29 @@ int check_seesaw_ds_half(const char* name) {
 
 template <typename Tr>
 int check_seesaw_ds(const char* name) {
-  const int bad = check_seesaw_ds_half<Tr, false>(name) + check_seesaw_ds_half<Tr, true>(name);
+  using M = mla_jax::sm90::SeesawDsMap;
+  using mla_jax::sm90::accumulator_col;
+  int bad = check_seesaw_ds_half<Tr, false>(name) + check_seesaw_ds_half<Tr, true>(name);
+  for (int t = 0; t < 128; ++t) {
+    // The row shuffle: word k / 2 of lane row_lane holds token r0 + 16 k.
+    for (int k = 0; k < 4; ++k)
+      if ((k >> 1) * 32 + M::row_lane(t, k) != t / 8 + 16 * k && bad++ < 5)
+        std::printf("%s: thread %d takes the row of token %d for token %d\n", name, t,
+                    (k >> 1) * 32 + M::row_lane(t, k), t / 8 + 16 * k);
+    // The mask: element i of the m64n64 S accumulator is token col = accumulator_col(t, i),
+    // bit col % 32 of ballot word col / 32; shifted right by mask_shift(t) it must be a
+    // bit kMaskKeep keeps, and word 1's bits sit 2 higher. Every kept bit is used once.
+    uint32_t used = 0;
+    for (int i = 0; i < 32; ++i) {
+      const int col = accumulator_col(t, i);
+      const int kept = col % 32 - M::mask_shift(t);
+      const bool ok = kept >= 0 && ((M::kMaskKeep >> kept) & 1u) && M::mask_bit(i) == kept + 2 * (col / 32);
+      if (!ok && bad++ < 5) std::printf("%s: mask of thread %d element %d (token %d) at bit %d\n", name, t, i, col, M::mask_bit(i));
+      if (ok) used |= 1u << M::mask_bit(i);
+    }
+    if (used != (M::kMaskKeep | (M::kMaskKeep << 2)) && bad++ < 5)
+      std::printf("%s: thread %d uses mask bits %08x\n", name, t, used);
+  }
   if (!bad) std::printf("%s: ok\n", name);
   return bad;
 }
