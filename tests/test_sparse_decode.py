@@ -607,6 +607,42 @@ def test_hopper_fp8_ds_mla(kernel, num_heads, q_len, topk, scale_format, dtype):
   np.testing.assert_array_equal(np.asarray(lse2), np.asarray(lse))
 
 
+def _long_items_case(seed, b, h, scale_format, rng_seed, full_every, short):
+  """Inputs of the long-items tests: b entries x q_len 2, top-k 2048 over 72 pages of 64, one
+  of them NaN. topk_lens random, every full_every-th full, entry 3 zero and the `short` ones
+  set as given ({entry: length}); garbage after them pointing at the NaN page (never read);
+  nine padding and out-of-range entries in the middle of each entry's first query token."""
+  q_len, topk, s = 2, 2048, 64
+  case = Case(seed, batch=b, q_len=q_len, num_heads=h, topk=topk, num_pages=72, page_size=s,
+              kv_format="fp8_ds_mla", scale_format=scale_format, dtype=jnp.bfloat16)
+  nan_page = case.num_slots // s - 1
+  kv = nan_page_cache(case, nan_page)
+  idx = np.where(case.indices // s == nan_page, case.indices % s, case.indices).astype(np.int32)
+  rng = np.random.default_rng(rng_seed)
+  lens = rng.integers(1, topk + 1, b).astype(np.int32)
+  lens[::full_every] = topk
+  lens[3] = 0
+  for r, n in short.items():
+    lens[r] = n
+  for r in range(b):
+    idx[r, :, lens[r]:] = nan_page * s + 2
+    pad = rng.choice(topk, 9, replace=False)
+    idx[r, 0, pad] = np.array([-1, case.num_slots, -7, INT32_MAX, -1, -1, case.num_slots + 3, -2, -1], np.int32)
+  return case, kv, idx, lens
+
+
+def _matches_reference_twice(case, kv, idx, plan, lens):
+  """Every entry against the float64 reference on the dequantised values, and a second run
+  bit for bit against the first."""
+  out, lse = run_sparse("cuda", case.query, kv, idx, plan, topk_lens=lens)
+  ref_out, ref_lse = reference_sparse_decode(case.query.astype(np.float32), kv, idx, case.plan("xla"),
+                                             topk_lens=lens)
+  assert_matches(out, lse, ref_out, ref_lse, case.dtype)
+  out2, lse2 = run_sparse("cuda", case.query, kv, idx, plan, topk_lens=lens)
+  np.testing.assert_array_equal(np.asarray(out2.astype(jnp.float32)), np.asarray(out.astype(jnp.float32)))
+  np.testing.assert_array_equal(np.asarray(lse2), np.asarray(lse))
+
+
 @GPU
 @pytest.mark.parametrize("schedule,h", [("auto", 64), ("kernel", 64), ("block", 128)])
 def test_hopper_seesaw_long_items(schedule, h):
@@ -616,38 +652,18 @@ def test_hopper_seesaw_long_items(schedule, h):
   gathered and converted many times and the half barriers' parities carry
   across items; at 128 heads over two row blocks. Mixed topk_lens (0,
   short, odd, full), garbage after them pointing at a NaN page, padding
-  and out-of-range entries in the middle, a tile of nothing but padding;
-  every entry against the float64 reference, and a second run bit for bit.
+  and out-of-range entries in the middle, a tile of nothing but padding.
   pow2 scales: with arbitrary ones the e4m3 x scale products rounded to
   bf16 move lse by up to ~0.025 at this top-k (docs/kernels.md)."""
   if not _hopper():
     pytest.skip("needs an sm_90 GPU and a build with sm_90a code")
-  b, q_len, topk, s = 48, 2, 2048, 64
-  case = Case(seed_of("seesaw-long", schedule, h), batch=b, q_len=q_len, num_heads=h, topk=topk, num_pages=72,
-              page_size=s, kv_format="fp8_ds_mla", scale_format="pow2", dtype=jnp.bfloat16)
-  nan_page = case.num_slots // s - 1
-  kv = nan_page_cache(case, nan_page)
-  idx = np.where(case.indices // s == nan_page, case.indices % s, case.indices).astype(np.int32)
-  rng = np.random.default_rng(11)
-  lens = rng.integers(1, topk + 1, b).astype(np.int32)
-  lens[::5] = topk
-  lens[3], lens[4] = 0, 65
-  for r in range(b):
-    idx[r, :, lens[r]:] = nan_page * s + 2                  # garbage past topk_lens: never read
-    pad = rng.choice(topk, 9, replace=False)
-    idx[r, 0, pad] = np.array([-1, case.num_slots, -7, INT32_MAX, -1, -1, case.num_slots + 3, -2, -1], np.int32)
+  case, kv, idx, lens = _long_items_case(seed_of("seesaw-long", schedule, h), 48, h, "pow2", 11, 5, {4: 65})
   idx[0, 1, 128:192] = -1                                   # a whole tile of padding
   choice = mla_jax.KernelChoice(kernel="sm90_seesaw", schedule=schedule)
   plan = dataclasses.replace(case.plan("cuda"), kernel=choice)
   got = mla_jax.explain(plan, case.query, kv, idx).kernel
   assert got.kernel == "sm90_seesaw" and got.schedule == ("block" if schedule == "auto" else schedule), str(got)
-  out, lse = run_sparse("cuda", case.query, kv, idx, plan, topk_lens=lens)
-  ref_out, ref_lse = reference_sparse_decode(case.query.astype(np.float32), kv, idx, case.plan("xla"),
-                                             topk_lens=lens)
-  assert_matches(out, lse, ref_out, ref_lse, case.dtype)
-  out2, lse2 = run_sparse("cuda", case.query, kv, idx, plan, topk_lens=lens)
-  np.testing.assert_array_equal(np.asarray(out2.astype(jnp.float32)), np.asarray(out.astype(jnp.float32)))
-  np.testing.assert_array_equal(np.asarray(lse2), np.asarray(lse))
+  _matches_reference_twice(case, kv, idx, plan, lens)
 
 
 @GPU
@@ -659,27 +675,8 @@ def test_hopper_swapab_long_items():
   page, padding in the middle; every entry against the float64 reference (not against the
   portable kernel, whose cache rounded to bf16 moves lse by up to ~0.025 at this top-k), and a
   second run bit for bit against the first."""
-  b, q_len, h, topk, s = 64, 2, 16, 2048, 64
-  case = Case(seed_of("swapab-long"), batch=b, q_len=q_len, num_heads=h, topk=topk, num_pages=72,
-              page_size=s, kv_format="fp8_ds_mla", scale_format="arbitrary", dtype=jnp.bfloat16)
-  nan_page = case.num_slots // s - 1
-  kv = nan_page_cache(case, nan_page)
-  idx = np.where(case.indices // s == nan_page, case.indices % s, case.indices).astype(np.int32)
-  rng = np.random.default_rng(5)
-  lens = rng.integers(1, topk + 1, b).astype(np.int32)
-  lens[::7] = topk
-  lens[3] = 0
-  for r in range(b):
-    idx[r, :, lens[r]:] = nan_page * s + 2                  # garbage past topk_lens: never read
-    pad = rng.choice(topk, 9, replace=False)
-    idx[r, 0, pad] = np.array([-1, case.num_slots, -7, INT32_MAX, -1, -1, case.num_slots + 3, -2, -1], np.int32)
+  case, kv, idx, lens = _long_items_case(seed_of("swapab-long"), 64, 16, "arbitrary", 5, 7, {})
   plan = case.plan("cuda")
   if _hopper():
     assert mla_jax.explain(plan, case.query, kv, idx).kernel.kernel == "sm90_swapab"
-  out, lse = run_sparse("cuda", case.query, kv, idx, plan, topk_lens=lens)
-  ref_out, ref_lse = reference_sparse_decode(case.query.astype(np.float32), kv, idx, case.plan("xla"),
-                                             topk_lens=lens)
-  assert_matches(out, lse, ref_out, ref_lse, case.dtype)
-  out2, lse2 = run_sparse("cuda", case.query, kv, idx, plan, topk_lens=lens)
-  np.testing.assert_array_equal(np.asarray(out2.astype(jnp.float32)), np.asarray(out.astype(jnp.float32)))
-  np.testing.assert_array_equal(np.asarray(lse2), np.asarray(lse))
+  _matches_reference_twice(case, kv, idx, plan, lens)
