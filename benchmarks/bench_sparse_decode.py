@@ -23,6 +23,7 @@ against the float64 reference on two requests.
 
   python benchmarks/bench_sparse_decode.py --out benchmarks/results/h200_sparse.json
   python benchmarks/bench_sparse_decode.py --tokens-per-request 8192 --rows 0,4
+  python benchmarks/bench_sparse_decode.py --shape 32,4,128,1024 --compare sm90_lockstep
   python benchmarks/bench_sparse_decode.py --smoke --backend cpu     # CPU check of the script
 """
 
@@ -150,6 +151,8 @@ def main(argv=None):
   ap.add_argument("--out", default=None, help="JSON results path")
   ap.add_argument("--commit", default=None)
   ap.add_argument("--rows", default="", help="comma list of row indices")
+  ap.add_argument("--shape", action="append", default=[], metavar="B,Q_LEN,H,TOPK",
+                  help="a row of this shape instead of the listed rows (repeatable)")
   ap.add_argument("--flashmla", default="auto", choices=("auto", "off"))
   ap.add_argument("--no-device-time", action="store_true")
   ap.add_argument("--smoke", action="store_true", help="tiny shapes: a CPU check of the script")
@@ -163,6 +166,17 @@ def main(argv=None):
   args = ap.parse_args(argv)
   if args.compare == "auto":
     ap.error("--compare names a kernel to force beside the auto-selected one, not auto")
+  shapes = []
+  for spec in args.shape:
+    try:
+      shape = tuple(int(v) for v in spec.split(","))
+    except ValueError:
+      shape = ()
+    if len(shape) != 4 or min(shape) < 1:
+      ap.error(f"--shape takes four positive integers B,Q_LEN,H,TOPK, got {spec!r}")
+    shapes.append(shape)
+  if shapes and args.rows:
+    ap.error("--shape and --rows both choose the rows: give one of them")
   if args.tokens_per_request % PAGE_SIZE:
     ap.error(f"--tokens-per-request must be a multiple of the page size {PAGE_SIZE}")
   # torch (FlashMLA, the copy ceiling) shares the GPU: JAX must not take 75 % of it up front.
@@ -172,6 +186,8 @@ def main(argv=None):
   rows_spec = SMOKE_ROWS if args.smoke else ROWS
   if args.rows:
     rows_spec = [rows_spec[int(i)] for i in args.rows.split(",")]
+  if shapes:
+    rows_spec = shapes
   pool = 1024 if args.smoke else POOL_TOKENS
   peer, why = None, "--flashmla off"
   ceilings = None
