@@ -49,6 +49,7 @@ std::tuple<std::string, std::string, std::string> select_kernel_py(const nb::dic
   f.num_heads = get<int>(facts, "num_heads", 1);
   f.batch = get<int64_t>(facts, "batch", kUnknownSize);
   f.num_pages = get<int64_t>(facts, "num_pages", kUnknownSize);
+  f.topk = get<int>(facts, "topk", 0);
   f.kv_aligned = get<bool>(facts, "kv_aligned", true);
   f.kv_pages_contiguous = get<bool>(facts, "kv_pages_contiguous", true);
   f.arch = get<int>(facts, "arch", 0);

@@ -145,12 +145,16 @@ class Selection:
 
 
 def facts(*, op: str, q_dtype, kv_dtype, kv_format: str, kv_lora_rank: int, qk_rope_head_dim: int,
-          page_size: int, q_len: int, num_heads: int, batch, num_pages) -> dict:
-  """The static facts select_kernel takes (DecodeFacts in csrc/dispatch/select.h)."""
+          page_size: int, q_len: int, num_heads: int, batch, num_pages, topk: int = 0) -> dict:
+  """The static facts select_kernel takes (DecodeFacts in csrc/dispatch/select.h).
+
+  topk: sparse decode's top-k entries per query token (0 for paged decode).
+  """
   return dict(op=op, q_type=_ELEM_TYPES[jnp.dtype(q_dtype)], kv_type=_ELEM_TYPES[jnp.dtype(kv_dtype)],
               kv_format=KV_FORMAT_CODES[kv_format], kv_lora_rank=int(kv_lora_rank),
               qk_rope_head_dim=int(qk_rope_head_dim), page_size=int(page_size), q_len=int(q_len),
-              num_heads=int(num_heads), batch=_static(batch), num_pages=_static(num_pages))
+              num_heads=int(num_heads), batch=_static(batch), num_pages=_static(num_pages),
+              topk=int(topk))
 
 
 VISIBLE = "visible"  # select()'s default device: the CUDA device JAX sees, if any

@@ -37,7 +37,8 @@ def _facts(call: _op.Call, args):
   b, q, h = q_nope.shape[:3]
   return kernels.facts(op="sparse", q_dtype=q_nope.dtype, kv_dtype=kv.dtype, kv_format=plan.kv_format,
                        kv_lora_rank=plan.kv_lora_rank, qk_rope_head_dim=plan.qk_rope_head_dim,
-                       page_size=plan.page_size, q_len=q, num_heads=h, batch=b, num_pages=kv.shape[0])
+                       page_size=plan.page_size, q_len=q, num_heads=h, batch=b, num_pages=kv.shape[0],
+                       topk=plan.topk)
 
 
 def _kernel_shape(call: _op.Call, q_nope):

@@ -554,10 +554,10 @@ HOPPER_CASES = [
 ]
 
 
-def _hopper_kernel(num_heads, dtype):
+def _hopper_kernel(num_heads, dtype, topk):
   """The kernel auto-selection picks on an sm_90 GPU for fp8_ds_mla."""
   if num_heads > 16:
-    return "sm90_seesaw" if dtype == jnp.bfloat16 else "sm90_lockstep"
+    return "sm90_seesaw" if dtype == jnp.bfloat16 and topk >= 1024 else "sm90_lockstep"
   return "sm90_swapab" if dtype == jnp.bfloat16 else "portable"
 
 
@@ -566,8 +566,8 @@ def _hopper_kernel(num_heads, dtype):
 @pytest.mark.parametrize("num_heads,q_len,topk,scale_format,dtype", HOPPER_CASES)
 def test_hopper_fp8_ds_mla(kernel, num_heads, q_len, topk, scale_format, dtype):
   """On an sm_90 GPU (auto) more than 16 heads run the seesaw kernel with a
-  bf16 query (rows gathered by index into the halves each warpgroup frees,
-  dequantised on chip) and the lock-step kernel with an fp16 query; 16 or
+  bf16 query and top-k 1024 or more (rows gathered by index into the halves
+  each warpgroup frees, dequantised on chip), else the lock-step kernel; 16 or
   fewer with a bf16 query the swap-AB kernel (the scales applied to the S^T
   group sums and the V^T values). The Hopper kernels are also forced on
   every shape they serve. Padding and out-of-range indices anywhere,
@@ -596,7 +596,7 @@ def test_hopper_fp8_ds_mla(kernel, num_heads, q_len, topk, scale_format, dtype):
   sink = np.random.default_rng(3).normal(0.0, 2.0, num_heads).astype(np.float32)
   plan = dataclasses.replace(case.plan("cuda"), kernel=kernel)
   if kernel == "auto" and _hopper():
-    assert mla_jax.explain(plan, case.query, kv, idx).kernel.kernel == _hopper_kernel(num_heads, dtype)
+    assert mla_jax.explain(plan, case.query, kv, idx).kernel.kernel == _hopper_kernel(num_heads, dtype, topk)
   if kernel.startswith("sm90"):
     assert mla_jax.explain(plan, case.query, kv, idx).kernel.kernel == kernel
   ref = case.reference(indices=idx, topk_lens=lens, kv_cache=kv, attn_sink=sink)

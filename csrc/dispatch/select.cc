@@ -83,6 +83,7 @@ DecodeFacts call_facts(DecodeOp op, const PagedDecodeParams& p, int arch, int sm
   f.num_heads = p.num_heads;
   f.batch = p.batch;
   f.num_pages = p.num_pages;
+  f.topk = op == DecodeOp::kSparse ? p.topk : 0;
   f.kv_aligned = aligned(p.ckv, p.ckv_token_stride) && aligned(p.kpe, p.kpe_token_stride);
   f.kv_pages_contiguous = p.ckv_page_stride == int64_t{p.page_size} * p.ckv_token_stride &&
                           p.kpe_page_stride == int64_t{p.page_size} * p.kpe_token_stride;
@@ -221,7 +222,7 @@ Selection select_kernel(const DecodeFacts& f, const KernelConfig& requested, std
       c.kernel = KernelFamily::kSm90Seesaw;
       note([&] { return std::string("kernel: sm90_seesaw (sm_90, a paged cache whose page_size is a multiple of 64: TMA loads whole "
            "64-token tiles; " + std::to_string(rows) + " query rows per request in 64-row blocks)"); });
-    } else if (seesaw_sparse && lockstep_rows) {
+    } else if (seesaw_sparse && lockstep_rows && f.topk >= kSeesawSparseMinTopk) {
       c.kernel = KernelFamily::kSm90Seesaw;
       note([&] { return std::string("kernel: sm90_seesaw (sm_90, sparse decode over fp8_ds_mla rows with a bf16 query and " +
            std::to_string(rows) + " heads, more than sm90_swapab takes: each warpgroup gathers the halves of the tiles "
@@ -235,7 +236,9 @@ Selection select_kernel(const DecodeFacts& f, const KernelConfig& requested, std
       c.kernel = KernelFamily::kSm90Lockstep;
       note([&] { return std::string("kernel: sm90_lockstep (sm_90, " + std::to_string(rows) + " query rows per request; the cache is "
            "gathered row by row: " + (fp8 ? "FP8 rows, converted on chip" : f.op == DecodeOp::kSparse ? "sparse indices" :
-           "page_size below 64 or not a multiple of 64") + ")"); });
+           "page_size below 64 or not a multiple of 64") + (seesaw_sparse ? "; top-k " + std::to_string(f.topk) +
+           " is below the " + std::to_string(kSeesawSparseMinTopk) + " from which sm90_seesaw takes sparse fp8_ds_mla rows" : "") +
+           ")"); });
     } else {
       c.kernel = KernelFamily::kPortable;
       note([&] { return std::string("kernel: portable (" + std::to_string(rows) + " query rows per request and a cache TMA cannot load "

@@ -31,6 +31,7 @@ struct DecodeFacts {
   int num_heads = 1;
   int64_t batch = kUnknownSize;      // B as the op sees it
   int64_t num_pages = kUnknownSize;
+  int topk = 0;  // sparse decode: top-k entries of each query token (0: paged decode)
   // ckv/kpe bases and row strides 16-byte aligned (TMA needs it; the
   // handler checks the actual pointers).
   bool kv_aligned = true;
@@ -75,6 +76,11 @@ bool parse_config(std::string_view text, KernelConfig* config, std::string* why)
 constexpr int kSwapAbMaxRows = 32;
 // Its sparse form (fp8_ds_mla, bf16 query): heads per request.
 constexpr int kSwapAbSparseMaxRows = 16;
+// Top-k entries per query token from which the seesaw kernel's sparse form
+// is auto-selected over the lock-step kernel: each item fills and drains
+// its two-tile pipeline on its own, which short items cannot hide
+// (docs/perf.md, "Sparse decode").
+constexpr int kSeesawSparseMinTopk = 1024;
 
 // Rows of the portable kernel's row block for `rows` query rows per request.
 constexpr int portable_rows_per_cta(int64_t rows) { return rows <= 16 ? 16 : rows <= 32 ? 32 : 64; }
