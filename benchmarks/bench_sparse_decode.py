@@ -179,6 +179,11 @@ def main(argv=None):
     ap.error("--shape and --rows both choose the rows: give one of them")
   if args.tokens_per_request % PAGE_SIZE:
     ap.error(f"--tokens-per-request must be a multiple of the page size {PAGE_SIZE}")
+  selectable = args.tokens_per_request or (1024 if args.smoke else POOL_TOKENS)
+  for shape in shapes:
+    if shape[3] > selectable:
+      ap.error(f"--shape {','.join(map(str, shape))}: top-k {shape[3]} exceeds the {selectable} tokens "
+               f"each request selects among")
   # torch (FlashMLA, the copy ceiling) shares the GPU: JAX must not take 75 % of it up front.
   os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
   import jax

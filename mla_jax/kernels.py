@@ -49,7 +49,9 @@ class KernelChoice:
       format), "sm90_lockstep" (Hopper ``wgmma``, any page size; rows in
       blocks of 64), "sm90_seesaw" (Hopper ``wgmma`` with TMA
       loads; paged decode with ``page_size`` a multiple of 64, a cache in the
-      query's dtype or ``float8_e4m3fn``) or
+      query's dtype or ``float8_e4m3fn``; and, rows gathered by index, sparse
+      decode over ``fp8_ds_mla`` with a bf16 query, auto-selected above 16
+      heads from top-k 1024) or
       "sm90_swapab" (Hopper ``wgmma`` with the tokens as M: a
       ``float8_e4m3fn`` cache, ``page_size`` a multiple of 64, at most 32
       query rows per request; sparse decode over ``fp8_ds_mla`` with a bf16

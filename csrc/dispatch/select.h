@@ -78,8 +78,9 @@ constexpr int kSwapAbMaxRows = 32;
 constexpr int kSwapAbSparseMaxRows = 16;
 // Top-k entries per query token from which the seesaw kernel's sparse form
 // is auto-selected over the lock-step kernel: each item fills and drains
-// its two-tile pipeline on its own, which short items cannot hide
-// (docs/perf.md, "Sparse decode").
+// its two-tile pipeline on its own, which short items cannot hide. Top-k
+// 512 measured slower than on the lock-step kernel, 2048 faster; 1024 lies
+// between and was not measured (docs/perf.md, the seesaw table under FP8).
 constexpr int kSeesawSparseMinTopk = 1024;
 
 // Rows of the portable kernel's row block for `rows` query rows per request.

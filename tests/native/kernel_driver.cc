@@ -157,11 +157,12 @@ Case draw_case(std::mt19937_64& rng, const std::string& kernel) {
     c.batch = 1 + rng() % 4;
     c.q_len = 1 + rng() % 2;
     c.topk = pick(rng, {1, 33, 64, 100, 130, 257});
-    if ((swapab || seesaw) && rng() % 2) {
+    if ((swapab || seesaw || rng() % 4 == 0) && rng() % 2) {
       // Items of many tiles, so that the kernel refills its stages many
-      // times (and, past 32 requests, the seesaw kernel's block schedule).
+      // times (and, past 32 requests, the seesaw kernel's block schedule);
+      // unforced, top-k on both sides of kSeesawSparseMinTopk.
       c.batch = 8 + rng() % 17;
-      c.topk = pick(rng, {1000, 2049});
+      c.topk = pick(rng, {1000, 1023, 1024, 2049});
     }
     c.sink = rng() % 2;
     c.max_num_splits = 0;
