@@ -183,14 +183,12 @@ Selection select_kernel(const DecodeFacts& f, const KernelConfig& requested, std
   // chosen before the lock-step kernel (docs/perf.md, "FP8 caches").
   // Its sparse form: fp8_ds_mla rows gathered by index (cp.async, 16-byte
   // aligned), a bf16 query, 16 heads or fewer.
-  const bool swapab_sparse = f.op == DecodeOp::kSparse && f.kv_format == KvFormat::kFp8DsMla &&
-                             f.q_type == ElemType::kBF16 && f.kv_pages_contiguous && f.kv_aligned &&
-                             rows <= kSwapAbSparseMaxRows;
-  // The seesaw kernel's sparse form: fp8_ds_mla rows gathered by index
-  // (cp.async, 16-byte aligned), a bf16 query; above the swap-AB kernel's
-  // rows it takes the place of the lock-step kernel.
+  // The seesaw kernel's sparse form: the same rows, any number of heads;
+  // above the swap-AB kernel's rows it takes the place of the lock-step
+  // kernel.
   const bool seesaw_sparse = f.op == DecodeOp::kSparse && f.kv_format == KvFormat::kFp8DsMla &&
                              f.q_type == ElemType::kBF16 && f.kv_pages_contiguous && f.kv_aligned;
+  const bool swapab_sparse = seesaw_sparse && rows <= kSwapAbSparseMaxRows;
   const bool swapab = (tma_tiles && f.kv_format == KvFormat::kPlain && f.kv_type == ElemType::kFP8E4M3 &&
                        f.kv_pages_contiguous && rows <= kSwapAbMaxRows) ||
                       swapab_sparse;

@@ -95,10 +95,15 @@ __device__ __forceinline__ void store_converted(char* stage, int tid, const RawT
 struct SeesawConvertMap {
   static constexpr int kRawBoxStride = 8192, kOutBoxStride = 16384, kRowStride = 2048;
   static constexpr int kRopeRawStride = 2048, kRopeOutStride = 4096;
+  // Chunk i of row r0 of the raw box (64 rows x 128 bytes, 128-byte
+  // swizzle) that starts at byte `box` of the stage.
+  __host__ __device__ static int box_chunk(int box, int wg_tid) {
+    const int i = wg_tid % 8, r0 = wg_tid / 8;
+    return box + r0 * 128 + ((i ^ (r0 & 7)) << 4);
+  }
   template <typename Tr, bool kHigh>
   __host__ __device__ static int raw_ckv(int wg_tid) {
-    const int i = wg_tid % 8, r0 = wg_tid / 8;
-    return (kHigh ? Tr::kSeeRawHi : Tr::kSeeRawLo) + r0 * 128 + ((i ^ (r0 & 7)) << 4);
+    return box_chunk(kHigh ? Tr::kSeeRawHi : Tr::kSeeRawLo, wg_tid);
   }
   template <bool kHigh>
   __host__ __device__ static int out_ckv(int wg_tid) {  // the even chunk; the odd one is ^ 16
@@ -193,7 +198,7 @@ __device__ __forceinline__ void convert_seesaw_half(char* stage, int wg_tid, Syn
 // SeesawConvertMap::out_ckv. csrc/sm90/layout_check.cu checks the map, its
 // coverage and the conversion's barrier phases.
 struct SeesawDsMap {
-  static constexpr int kRowStride = 2048, kOutBoxStride = 16384;
+  static constexpr int kRowStride = SeesawConvertMap::kRowStride, kOutBoxStride = SeesawConvertMap::kOutBoxStride;
   template <typename Tr, bool kHigh>
   __host__ __device__ static int raw_box(int box) {
     return kHigh ? (box == 0 ? Tr::kDsHiBox0 : Tr::kDsHiBox1) : (box == 0 ? Tr::kDsLoBox0 : Tr::kDsLoBox1);
@@ -201,8 +206,7 @@ struct SeesawDsMap {
   // Chunk i of row r0 of raw box `box` (row r0 + 16 k: + k kRowStride).
   template <typename Tr, bool kHigh>
   __host__ __device__ static int raw_ckv(int wg_tid, int box) {
-    const int i = wg_tid % 8, r0 = wg_tid / 8;
-    return raw_box<Tr, kHigh>(box) + r0 * 128 + ((i ^ (r0 & 7)) << 4);
+    return SeesawConvertMap::box_chunk(raw_box<Tr, kHigh>(box), wg_tid);
   }
   // The two scales (groups 2 kHigh and 2 kHigh + 1) of row r.
   template <typename Tr, bool kHigh>
