@@ -6,7 +6,7 @@
 Random data generated on the device, page_size 64, contiguous pages; --cache
 picks the cache: bf16, fp8 (float8_e4m3fn with a kv_scale) or fp8_ds_mla
 (sparse top-k decode: --seq is then top-k, distinct random slots from a
-65,536-token pool). --impl flashmla runs FlashMLA's decode (torch and flash_mla importable, see
+65,536-token pool, or from each request's own --tokens-per-request N). --impl flashmla runs FlashMLA's decode (torch and flash_mla importable, see
 benchmarks/README.md) on the same shapes instead, so that ncu can profile the
 peer's kernels beside ours (scripts/ncu_peer.sh). Prints the median wall time
 of one call (synchronised; launch overhead included: use bench_paged_decode.py
@@ -28,6 +28,9 @@ def main(argv=None):
   p.add_argument("--calls", type=int, default=6)
   p.add_argument("--impl", choices=("mla_jax", "flashmla"), default="mla_jax")
   p.add_argument("--cache", choices=("bf16", "fp8", "fp8_ds_mla"), default="bf16")
+  p.add_argument("--tokens-per-request", type=int, default=0,
+                 help="fp8_ds_mla: each request selects among its own N tokens (as bench_sparse_decode.py's "
+                      "option); default: one shared 65,536-token pool")
   a = p.parse_args(argv)
   if a.cache == "fp8_ds_mla":
     return run_sparse(a)
@@ -62,11 +65,18 @@ def run_sparse(a):
   import jax
   import jax.numpy as jnp
   import mla_jax
-  pool = 65536
+  own = a.tokens_per_request
+  if own and own < a.seq:
+    raise SystemExit(f"--tokens-per-request {own} is below top-k {a.seq}")
+  pool = a.b * own if own else 65536
+  pool = -(-pool // a.page_size) * a.page_size
   rng = np.random.default_rng(0)
   latent = jax.random.normal(jax.random.key(0), (pool // a.page_size, a.page_size, 576), jnp.bfloat16)
   cache = mla_jax.quantize_latent_fp8(latent, scale_format="pow2")
-  indices = np.stack([rng.permutation(pool)[:a.seq] for _ in range(a.b * a.q_len)])
+  if own:
+    indices = np.stack([(i // a.q_len) * own + rng.permutation(own)[:a.seq] for i in range(a.b * a.q_len)])
+  else:
+    indices = np.stack([rng.permutation(pool)[:a.seq] for _ in range(a.b * a.q_len)])
   indices = jnp.asarray(indices.reshape(a.b, a.q_len, a.seq).astype(np.int32))
   query = jax.random.normal(jax.random.key(1), (a.b, a.q_len, a.h, 576), jnp.bfloat16)
   if a.impl == "flashmla":

@@ -152,6 +152,8 @@ def facts(*, op: str, q_dtype, kv_dtype, kv_format: str, kv_lora_rank: int, qk_r
 
   topk: sparse decode's top-k entries per query token (0 for paged decode).
   """
+  if op == "sparse" and int(topk) < 1:
+    raise ValueError(f"facts: sparse decode needs topk >= 1 (its kernel choice depends on it), got {topk}")
   return dict(op=op, q_type=_ELEM_TYPES[jnp.dtype(q_dtype)], kv_type=_ELEM_TYPES[jnp.dtype(kv_dtype)],
               kv_format=KV_FORMAT_CODES[kv_format], kv_lora_rank=int(kv_lora_rank),
               qk_rope_head_dim=int(qk_rope_head_dim), page_size=int(page_size), q_len=int(q_len),

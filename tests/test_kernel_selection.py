@@ -157,6 +157,23 @@ def test_sparse_capability_table(heads, kv_format, q_dtype, topk, want):
       mla_jax.explain(seesaw, *args, device=H200)
 
 
+def test_sparse_facts_without_topk_are_rejected():
+  # The sparse choice depends on top-k: facts that leave it out are an
+  # error, in Python and in the C++ selection, not a silent short-item choice.
+  f = dict(op="sparse", q_dtype=jnp.bfloat16, kv_dtype=jnp.uint8, kv_format="fp8_ds_mla", kv_lora_rank=512,
+           qk_rope_head_dim=64, page_size=64, q_len=1, num_heads=128, batch=3, num_pages=20)
+  with pytest.raises(ValueError, match="topk >= 1"):
+    mla_jax.kernels.facts(**f)
+  if not mla_jax._ffi.has_extension():
+    pytest.skip("no native extension: the C++ selection is not built")
+  facts = mla_jax.kernels.facts(**f, topk=2048)
+  facts["topk"] = 0
+  with pytest.raises(ValueError, match="topk >= 1"):
+    mla_jax.kernels.select(facts, KernelChoice(), requests=3, rows=128, dv=512, device=H200)
+  assert mla_jax.kernels.select(mla_jax.kernels.facts(**f, topk=2048), KernelChoice(), requests=3, rows=128,
+                                dv=512, device=H200).config.kernel != "auto"
+
+
 def test_forced_fields_are_kept_and_explained():
   choice = KernelChoice(kernel="portable", schedule="kernel", combine_grid="slices", programmatic_combine=True)
   got = _explain_paged(4, 128, 64, kernel=choice)

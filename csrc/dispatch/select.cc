@@ -152,6 +152,10 @@ Selection select_kernel(const DecodeFacts& f, const KernelConfig& requested, std
                 std::to_string(f.kv_lora_rank) + " and " + std::to_string(f.qk_rope_head_dim));
   if (f.q_type != ElemType::kBF16 && f.q_type != ElemType::kF16) return fail("the query must be bf16 or fp16");
   if (f.page_size < 1) return fail("page_size must be positive");
+  // Sparse selection depends on top-k (the seesaw kernel's threshold): a
+  // caller that leaves it out must not silently get the short-item choice.
+  if (f.op == DecodeOp::kSparse && f.topk < 1)
+    return fail("sparse decode facts need topk >= 1, got " + std::to_string(f.topk));
 
   const int64_t rows = f.rows();
   const int64_t requests = f.requests();
