@@ -557,7 +557,7 @@ HOPPER_CASES = [
 def _hopper_kernel(num_heads, dtype, topk):
   """The kernel auto-selection picks on an sm_90 GPU for fp8_ds_mla."""
   if num_heads > 16:
-    return "sm90_seesaw" if dtype == jnp.bfloat16 and topk >= 1024 else "sm90_lockstep"
+    return "sm90_seesaw" if dtype == jnp.bfloat16 and topk >= 2048 else "sm90_lockstep"
   return "sm90_swapab" if dtype == jnp.bfloat16 else "portable"
 
 
@@ -566,7 +566,7 @@ def _hopper_kernel(num_heads, dtype, topk):
 @pytest.mark.parametrize("num_heads,q_len,topk,scale_format,dtype", HOPPER_CASES)
 def test_hopper_fp8_ds_mla(kernel, num_heads, q_len, topk, scale_format, dtype):
   """On an sm_90 GPU (auto) more than 16 heads run the seesaw kernel with a
-  bf16 query and top-k 1024 or more (rows gathered by index into the halves
+  bf16 query and top-k 2048 or more (rows gathered by index into the halves
   each warpgroup frees, dequantised on chip), else the lock-step kernel; 16 or
   fewer with a bf16 query the swap-AB kernel (the scales applied to the S^T
   group sums and the V^T values). The Hopper kernels are also forced on

@@ -78,10 +78,10 @@ constexpr int kSwapAbMaxRows = 32;
 constexpr int kSwapAbSparseMaxRows = 16;
 // Top-k entries per query token from which the seesaw kernel's sparse form
 // is auto-selected over the lock-step kernel: each item fills and drains
-// its two-tile pipeline on its own, which short items cannot hide. Top-k
-// 512 measured slower than on the lock-step kernel, 2048 faster; 1024 lies
-// between and was not measured (docs/perf.md, the seesaw table under FP8).
-constexpr int kSeesawSparseMinTopk = 1024;
+// its two-tile pipeline on its own, which short items cannot hide. Measured
+// on an H100: top-k 512 and 1024 slower than on the lock-step kernel, 2048
+// faster; 1025-2047 not measured (docs/perf.md, the seesaw table under FP8).
+constexpr int kSeesawSparseMinTopk = 2048;
 
 // Rows of the portable kernel's row block for `rows` query rows per request.
 constexpr int portable_rows_per_cta(int64_t rows) { return rows <= 16 ? 16 : rows <= 32 ? 32 : 64; }
