@@ -23,7 +23,7 @@ against the float64 reference on two requests.
 
   python benchmarks/bench_sparse_decode.py --out benchmarks/results/h200_sparse.json
   python benchmarks/bench_sparse_decode.py --tokens-per-request 8192 --rows 0,4
-  python benchmarks/bench_sparse_decode.py --shape 32,4,128,1024 --compare sm90_lockstep
+  python benchmarks/bench_sparse_decode.py --shape 32,4,128,1024 --compare sm90_seesaw
   python benchmarks/bench_sparse_decode.py --smoke --backend cpu     # CPU check of the script
 """
 

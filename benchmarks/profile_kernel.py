@@ -6,7 +6,8 @@
 Random data generated on the device, page_size 64, contiguous pages; --cache
 picks the cache: bf16, fp8 (float8_e4m3fn with a kv_scale) or fp8_ds_mla
 (sparse top-k decode: --seq is then top-k, distinct random slots from a
-65,536-token pool, or from each request's own --tokens-per-request N). --impl flashmla runs FlashMLA's decode (torch and flash_mla importable, see
+65,536-token pool, or from each request's own --tokens-per-request N).
+--impl flashmla runs FlashMLA's decode (torch and flash_mla importable, see
 benchmarks/README.md) on the same shapes instead, so that ncu can profile the
 peer's kernels beside ours (scripts/ncu_peer.sh). Prints the median wall time
 of one call (synchronised; launch overhead included: use bench_paged_decode.py
@@ -32,6 +33,8 @@ def main(argv=None):
                  help="fp8_ds_mla: each request selects among its own N tokens (as bench_sparse_decode.py's "
                       "option); default: one shared 65,536-token pool")
   a = p.parse_args(argv)
+  if a.tokens_per_request and a.cache != "fp8_ds_mla":
+    p.error("--tokens-per-request applies to --cache fp8_ds_mla only")
   if a.cache == "fp8_ds_mla":
     return run_sparse(a)
   if a.impl == "flashmla":

@@ -150,7 +150,8 @@ def facts(*, op: str, q_dtype, kv_dtype, kv_format: str, kv_lora_rank: int, qk_r
           page_size: int, q_len: int, num_heads: int, batch, num_pages, topk: int = 0) -> dict:
   """The static facts select_kernel takes (DecodeFacts in csrc/dispatch/select.h).
 
-  topk: sparse decode's top-k entries per query token (0 for paged decode).
+  topk: sparse decode's top-k entries per query token: required (>= 1) for
+    op="sparse", whose kernel choice depends on it; 0 for paged decode.
   """
   if op == "sparse" and int(topk) < 1:
     raise ValueError(f"facts: sparse decode needs topk >= 1 (its kernel choice depends on it), got {topk}")

@@ -78,9 +78,9 @@ constexpr int kSwapAbMaxRows = 32;
 constexpr int kSwapAbSparseMaxRows = 16;
 // Top-k entries per query token from which the seesaw kernel's sparse form
 // is auto-selected over the lock-step kernel: each item fills and drains
-// its two-tile pipeline on its own, which short items cannot hide. Measured
-// on an H100: top-k 512 and 1024 slower than on the lock-step kernel, 2048
-// faster; 1025-2047 not measured (docs/perf.md, the seesaw table under FP8).
+// its two-tile pipeline on its own, which short items cannot hide. The
+// smallest top-k at which the seesaw kernel was measured faster than the
+// lock-step kernel (H100; docs/perf.md, "FP8 caches").
 constexpr int kSeesawSparseMinTopk = 2048;
 
 // Rows of the portable kernel's row block for `rows` query rows per request.
