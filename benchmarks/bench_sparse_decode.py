@@ -179,7 +179,8 @@ def main(argv=None):
     ap.error("--shape and --rows both choose the rows: give one of them")
   if args.tokens_per_request % PAGE_SIZE:
     ap.error(f"--tokens-per-request must be a multiple of the page size {PAGE_SIZE}")
-  selectable = args.tokens_per_request or (1024 if args.smoke else POOL_TOKENS)
+  pool = 1024 if args.smoke else POOL_TOKENS
+  selectable = args.tokens_per_request or pool
   for shape in shapes:
     if shape[3] > selectable:
       ap.error(f"--shape {','.join(map(str, shape))}: top-k {shape[3]} exceeds the {selectable} tokens "
@@ -193,7 +194,6 @@ def main(argv=None):
     rows_spec = [rows_spec[int(i)] for i in args.rows.split(",")]
   if shapes:
     rows_spec = shapes
-  pool = 1024 if args.smoke else POOL_TOKENS
   peer, why = None, "--flashmla off"
   ceilings = None
   if dev.platform == "gpu":
