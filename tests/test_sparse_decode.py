@@ -545,6 +545,7 @@ HOPPER_CASES = [
     (64, 1, 300, "arbitrary", jnp.float16),
     (32, 2, 2048, "pow2", jnp.bfloat16),          # 17-32 heads: one 64-row block, the rows past 32 zero
     (64, 1, 1279, "pow2", jnp.bfloat16),          # one below kSeesawSparseMinTopk: auto keeps the lock-step kernel
+    (128, 1, 1280, "arbitrary", jnp.bfloat16),    # kSeesawSparseMinTopk itself: auto takes the seesaw kernel
     (20, 1, 300, "arbitrary", jnp.float16),
     (16, 1, 2048, "pow2", jnp.bfloat16),          # 16 heads or fewer, bf16 query: the swap-AB kernel
     (16, 2, 2049, "arbitrary", jnp.bfloat16),

@@ -80,7 +80,7 @@ constexpr int kSwapAbSparseMaxRows = 16;
 // is auto-selected over the lock-step kernel: each item fills and drains
 // its two-tile pipeline on its own, which short items cannot hide. The
 // smallest top-k of those measured at which the seesaw kernel was ahead at
-// every head count tried (H100; docs/perf.md, "FP8 caches").
+// every head count tried (H100; docs/perf.md, "Current results", FP8).
 constexpr int kSeesawSparseMinTopk = 1280;
 
 // Rows of the portable kernel's row block for `rows` query rows per request.
