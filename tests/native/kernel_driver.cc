@@ -112,16 +112,18 @@ struct Case {
   int topk = 0;          // sparse
   bool sink = false;     // sparse
   bool causal = true;    // paged
+  bool many = false;     // paged: many short requests
   int max_num_splits = 0;
   std::string request;   // kernel configuration asked for ("kernel,schedule,combine,programmatic")
 };
 
 std::string describe(const Case& c) {
   char buf[256];
-  std::snprintf(buf, sizeof buf, "%s q=%s cache=%s%s B=%d q_len=%d H=%d page=%d%s%s splits<=%d request=%s",
+  std::snprintf(buf, sizeof buf, "%s q=%s cache=%s%s B=%d%s q_len=%d H=%d page=%d%s%s splits<=%d request=%s",
                 c.sparse ? "sparse" : "paged", c.q_type == ElemType::kBF16 ? "bf16" : "fp16",
                 c.cache == Case::kNative ? "native" : c.cache == Case::kFp8 ? "fp8" : "fp8_ds_mla",
-                c.sparse ? "" : (c.kv_packed ? " packed" : " split"), c.batch, c.q_len, c.heads, c.page_size,
+                c.sparse ? "" : (c.kv_packed ? " packed" : " split"), c.batch, c.many ? " (short)" : "", c.q_len,
+                c.heads, c.page_size,
                 c.sparse ? (" topk=" + std::to_string(c.topk) + (c.sink ? " sink" : "")).c_str() : "",
                 c.sparse ? "" : (c.causal ? " causal" : ""), c.max_num_splits, c.request.c_str());
   return buf;
@@ -176,6 +178,13 @@ Case draw_case(std::mt19937_64& rng, const std::string& kernel) {
     if (swapab) {  // q_len x heads <= 32: both of its row blocks (16, 32)
       c.heads = pick(rng, {1, 3, 8, 12, 16, 20, 32});
       c.q_len = std::max(1, std::min(c.q_len, 32 / c.heads));
+    } else if (rng() % 4 == 0) {
+      // Many short requests: whole requests, several to a CTA (the seesaw
+      // kernel loads an item's first tiles during the previous item's last
+      // pair).
+      c.many = true;
+      c.batch = 40 + static_cast<int>(rng() % 121);
+      c.q_len = pick(rng, {1, 1, 2});
     }
   }
   const std::string schedule = pick<const char*>(rng, {"auto", "auto", "kernel", "inline", "block"});
@@ -321,7 +330,7 @@ Outcome run_case(const Case& c, std::mt19937_64& rng, const DeviceInfo& dev) {
     std::vector<int> lens(c.batch);
     for (int b = 0; b < c.batch; ++b) {
       const int kind = static_cast<int>(rng() % 10);
-      lens[b] = kind == 0 ? 0 : kind == 1 ? c.q_len : static_cast<int>(rng() % 700);
+      lens[b] = kind == 0 ? 0 : kind == 1 ? c.q_len : static_cast<int>(rng() % (c.many ? 300 : 700));
       if (c.causal && lens[b] > 0 && lens[b] < c.q_len) lens[b] = c.q_len;
     }
     int longest = *std::max_element(lens.begin(), lens.end());
