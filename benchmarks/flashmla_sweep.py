@@ -35,13 +35,13 @@ def main():
   torch, fm = peer.torch, peer.fm
   gen = torch.Generator(device="cuda").manual_seed(0)
   results = []
-  for spec in args.rows.split(";"):
+  for spec in filter(None, (r.strip() for r in args.rows.split(";"))):
     b, q, h, seq = (int(x) for x in spec.split(","))
     pages = b * ((seq + 63) // 64)
     copies = max(1, math.ceil(120e6 / (pages * 64 * 576 * 2)))
     caches = [torch.randn(pages, 64, 1, 576, device="cuda", dtype=torch.bfloat16, generator=gen)
               for _ in range(copies)]
-    # About 10 ms of work in the longer graph (at least 8 calls, at most 400).
+    # Calls per graph from a rough work estimate: at least 8, at most 400.
     n_hi = max(8, min(400, int(10000 / max(1.0, seq * b * h / 2.5e6))))
     n_lo = n_hi // 2
     qs = [torch.randn(b, q, h, 576, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(n_hi)]

@@ -179,9 +179,8 @@ Case draw_case(std::mt19937_64& rng, const std::string& kernel) {
       c.heads = pick(rng, {1, 3, 8, 12, 16, 20, 32});
       c.q_len = std::max(1, std::min(c.q_len, 32 / c.heads));
     } else if (rng() % 4 == 0) {
-      // Many short requests: whole requests, several to a CTA (the seesaw
-      // kernel loads an item's first tiles during the previous item's last
-      // pair).
+      // Many short requests: whole requests, several items to a CTA, so
+      // that a CTA's buffers pass from one item to the next many times.
       c.many = true;
       c.batch = 40 + static_cast<int>(rng() % 121);
       c.q_len = pick(rng, {1, 1, 2});
