@@ -83,6 +83,11 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   // fp8_ds_mla rows (sparse decode, bf16 query): gathered by index with
   // cp.async instead of TMA boxes (see the header).
   constexpr bool kGather = Tr::kLoad == KvLoad::kDsMla;
+  // Plain (bf16/fp16) dense tiles: one instantiation of the pair for every
+  // whole pair, so that an item runs one copy of the pair's code. The cost
+  // of short items is largely instruction fetch (docs/perf.md): code run
+  // once per item is fetched once per item.
+  constexpr bool kOnePairBody = !kGather && !Tr::kConvert;
   static_assert(!Tr::kConvert || Tr::kLoad == KvLoad::kFp8 || (kGather && Tr::kRopeDirect),
                 "the seesaw kernel converts dense e4m3 rows and fp8_ds_mla rows with a bf16 query only");
   using cutlass::arch::NamedBarrier;
@@ -283,6 +288,13 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     };
     // This warpgroup's part of a whole tile (prologue): 0-3 or 4-8.
     auto issue_own_part = [&](int t, int entry) { issue_boxes(t, entry, wg == 0 ? 0 : 4, wg == 0 ? 4 : 5); };
+    // Completes the phase of blocks [first, first + count) of `stage` with no
+    // load (kOnePairBody: a pair with no next tile still issues the next S,
+    // over whatever the stage holds, and discards it).
+    auto complete_boxes = [&](int stage, int first, int count) {
+      if (wg_tid != 0) return;
+      for (int j = 0; j < count; ++j) FullBarrier::arrive(&kv_full[stage * Tr::kKvBlocks + first + j]);
+    };
     // Gathers (kGather): rows[0], rows[1] of lane l are the cache rows (or
     // -1: padding, out of range, past the item's end) of tokens l and l + 32
     // of a tile, looked up by every lane of both warpgroups: each
@@ -352,6 +364,14 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     cute::cp_async_fence();
     int limit[2];  // visible length of this thread's two rows (<= tok_end)
     row_limits(p, it, m0, row_base, limit);
+    if constexpr (kOnePairBody) {
+      // Rows past q_len x heads (zero query, never written; no row reads
+      // another) need no mask, so that interior tiles take the unmasked
+      // path with fewer than 64 rows.
+#pragma unroll
+      for (int rr = 0; rr < 2; ++rr)
+        if (m0 + row_base + 8 * rr >= p.rows_per_request()) limit[rr] = static_cast<int>(tok_end);
+    }
     clear(tOrO);
     float m_run[2] = {-INFINITY, -INFINITY};  // running max (log2 domain), the same in both warpgroups
     float l_own[2] = {0.f, 0.f};  // sum of this warpgroup's P (its own tiles), relative to m_run
@@ -430,10 +450,27 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       return (tile_begin + t) * kBlockN + kBlockN <= min(limit[0], limit[1]) &&
              (!kGather || mask_full());
     };
+    // Row maxima of tile t's scaled, masked S (quad-reduced). Whole pairs of
+    // plain dense tiles (kOnePairBody) scale S in place (log2 domain) and
+    // set its masked elements to -inf, so that the maxima and the softmax
+    // have one copy of their code, not a masked one beside it (2^-inf = 0).
     auto tile_rowmax = [&](int t, float (&tile_max)[2]) {
       const int tok0 = (tile_begin + t) * kBlockN;
       tile_max[0] = tile_max[1] = -INFINITY;
-      if (visible_all(t)) {
+      if constexpr (kOnePairBody) {
+        if (visible_all(t)) {
+#pragma unroll
+          for (int i = 0; i < size(tSrS); ++i) tSrS(i) *= scale_log2;
+        } else {
+#pragma unroll
+          for (int i = 0; i < size(tSrS); ++i) {
+            const int col = get<1>(tScS(i));
+            tSrS(i) = tok0 + col < limit[accumulator_row_half(i)] ? tSrS(i) * scale_log2 : -INFINITY;
+          }
+        }
+#pragma unroll
+        for (int i = 0; i < size(tSrS); ++i) tile_max[accumulator_row_half(i)] = fmaxf(tile_max[accumulator_row_half(i)], tSrS(i));
+      } else if (visible_all(t)) {
 #pragma unroll
         for (int i = 0; i < size(tSrS); ++i) tile_max[accumulator_row_half(i)] = fmaxf(tile_max[accumulator_row_half(i)], tSrS(i) * scale_log2);
       } else {
@@ -452,16 +489,16 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     };
     // P = 2^(S scale - m) (0 where masked), in place in the S accumulator
     // (no wgmma of this warpgroup is in flight here) and as the bf16/fp16
-    // A operand; returns this thread's row sums.
+    // A operand; returns this thread's row sums. After tile_rowmax(t).
     auto softmax_in_place = [&](int t, const float (&m)[2], float (&sum)[2]) {
       const int tok0 = (tile_begin + t) * kBlockN;
-      const bool all = visible_all(t);
+      const bool all = kOnePairBody || visible_all(t);
       const float neg_m[2] = {-usable(m[0]), -usable(m[1])};
       sum[0] = sum[1] = 0.f;
 #pragma unroll
       for (int i = 0; i < size(tSrS); ++i) {
         const int rr = accumulator_row_half(i);
-        float e = fast_exp2(fmaf(tSrS(i), scale_log2, neg_m[rr]));
+        float e = fast_exp2(kOnePairBody ? tSrS(i) + neg_m[rr] : fmaf(tSrS(i), scale_log2, neg_m[rr]));
         if (!all) {
           const int col = get<1>(tScS(i));
           e = tok0 + col < limit[rr] && (!kGather || element_in_mask(i)) ? e : 0.f;
@@ -520,14 +557,17 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     }
 
     // One pair of tiles. Every wgmma a pair issues is unconditional inside
-    // its instantiation (kHasB: tile b exists; kNextA / kNextB: tiles a + 2
-    // / b + 2 exist): a wgmma issued on one path only makes ptxas
-    // serialise all of them. S(a) (warpgroup 0) and S(b) (warpgroup 1) are
-    // complete on entry.
-    auto pair = [&](const int k, auto has_b_const, auto next_a_const, auto next_b_const) __attribute__((always_inline)) {
+    // its instantiation (kHasB: tile b exists; kNextA / kNextB: S of tiles
+    // a + 2 / b + 2 is issued): a wgmma issued on one path only makes ptxas
+    // serialise all of them. next_a / next_b: tiles a + 2 / b + 2 exist
+    // (constants, or run-time values where kOnePairBody issues the next S
+    // whether or not they exist; the loads decide). S(a) (warpgroup 0) and
+    // S(b) (warpgroup 1) are complete on entry.
+    auto pair = [&](const int k, auto has_b_const, auto may_a_const, auto may_b_const, auto next_a, auto next_b)
+                    __attribute__((always_inline)) {
       constexpr bool kHasB = decltype(has_b_const)::value;
-      constexpr bool kNextA = decltype(next_a_const)::value;
-      constexpr bool kNextB = decltype(next_b_const)::value;
+      constexpr bool kNextA = decltype(may_a_const)::value;
+      constexpr bool kNextB = decltype(may_b_const)::value;
       const int ta = 2 * k, tb = 2 * k + 1;
       // Entries of the next pair's tiles, read now to be ready mid-pair.
       int entry_a = 0, entry_b = 0;
@@ -538,11 +578,11 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         } else {
           set_tile_mask(rows_b);
         }
-        if (kNextA) fetch_rows(ta + 2, rows_a);
-        if (kNextB) fetch_rows(tb + 2, rows_b);
+        if (kNextA && next_a) fetch_rows(ta + 2, rows_a);
+        if (kNextB && next_b) fetch_rows(tb + 2, rows_b);
       } else if (wg_tid == 0) {
-        if (kNextA) entry_a = fetch_entry(ta + 2);
-        if (kNextB) entry_b = fetch_entry(tb + 2);
+        if (kNextA && next_a) entry_a = fetch_entry(ta + 2);
+        if (kNextB && next_b) entry_b = fetch_entry(tb + 2);
       }
       float m_a[2], m_b[2], tmax[2], sum[2], c[2];
       if (wg == 0) {
@@ -566,8 +606,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         if (kNextA) {  // V_aL is free
           if constexpr (kGather) {
             gather_half(ta + 2, rows_a, false);
-          } else {
+          } else if (next_a) {
             issue_boxes(ta + 2, entry_a, 0, 4);
+          } else {
+            complete_boxes(0, 0, 4);
           }
         }
         if constexpr (kHasB) {
@@ -599,8 +641,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
           warpgroup_wait<1>();  // P_b V_bL done: V_bL is free
           if constexpr (kGather) {
             gather_half(tb + 2, rows_b, false);
-          } else {
+          } else if (next_b) {
             issue_boxes(tb + 2, entry_b, 0, 4);
+          } else {
+            complete_boxes(1, 0, 4);
           }
         }
         if constexpr (kNextA) {
@@ -647,8 +691,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
           warpgroup_wait<1>();  // P_b V_bR done: V_bR and tile b's rope are free
           if constexpr (kGather) {
             gather_half(tb + 2, rows_b, true);
-          } else {
+          } else if (next_b) {
             issue_boxes(tb + 2, entry_b, 4, 5);
+          } else {
+            complete_boxes(1, 4, 5);
           }
         }
         warpgroup_wait<0>();  // P_a V_aR done: V_aR and P_a are free
@@ -656,8 +702,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         if (kNextA) {
           if constexpr (kGather) {
             gather_half(ta + 2, rows_a, true);
-          } else {
+          } else if (next_a) {
             issue_boxes(ta + 2, entry_a, 4, 5);
+          } else {
+            complete_boxes(0, 4, 5);
           }
         }
         if constexpr (kNextB) {
@@ -670,19 +718,27 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         }
       }
     };
-    const int num_pairs = (num_tiles + 1) / 2;
-    for (int k = 0; k + 1 < num_pairs; ++k) {
-      if (2 * k + 3 < num_tiles) {
-        pair(k, std::true_type{}, std::true_type{}, std::true_type{});
-      } else {
-        pair(k, std::true_type{}, std::true_type{}, std::false_type{});
+    using True = std::true_type;
+    using False = std::false_type;
+    if constexpr (kOnePairBody) {
+      // Every whole pair runs the same code; an odd last tile has its own.
+      for (int k = 0; 2 * k + 1 < num_tiles; ++k) pair(k, True{}, True{}, True{}, 2 * k + 2 < num_tiles, 2 * k + 3 < num_tiles);
+      if (num_tiles % 2 != 0) pair(num_tiles / 2, False{}, False{}, False{}, False{}, False{});
+    } else {
+      const int num_pairs = (num_tiles + 1) / 2;
+      for (int k = 0; k + 1 < num_pairs; ++k) {
+        if (2 * k + 3 < num_tiles) {
+          pair(k, True{}, True{}, True{}, True{}, True{});
+        } else {
+          pair(k, True{}, True{}, False{}, True{}, False{});
+        }
       }
-    }
-    if (num_pairs > 0) {
-      if (num_tiles % 2 == 0) {
-        pair(num_pairs - 1, std::true_type{}, std::false_type{}, std::false_type{});
-      } else {
-        pair(num_pairs - 1, std::false_type{}, std::false_type{}, std::false_type{});
+      if (num_pairs > 0) {
+        if (num_tiles % 2 == 0) {
+          pair(num_pairs - 1, True{}, False{}, False{}, False{}, False{});
+        } else {
+          pair(num_pairs - 1, False{}, False{}, False{}, False{}, False{});
+        }
       }
     }
     warpgroup_fence_operand(tOrO);
