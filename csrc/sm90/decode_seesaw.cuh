@@ -29,6 +29,9 @@
 //   stage 1 blocks 0-3 (V_bL):             warpgroup 0, after P_b V_bL;
 // and S of the next tile reads its blocks in the order they were freed
 // (tile a: 0-8; tile b: 4-8, then 0-3), each as soon as its TMA lands.
+// Plain dense tiles (kOnePairBody) issue that S even where the next tile
+// does not exist: the refilling warpgroup then completes the blocks'
+// barriers without a load (complete_boxes), and the S is discarded.
 //
 // Hand-offs (named barriers; one warpgroup arrives, the other waits):
 //   MaxA (0 -> 1): m_a is in shared memory;   MaxB (1 -> 0): m_b;
@@ -84,9 +87,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   // cp.async instead of TMA boxes (see the header).
   constexpr bool kGather = Tr::kLoad == KvLoad::kDsMla;
   // Plain (bf16/fp16) dense tiles: one instantiation of the pair for every
-  // whole pair, so that an item runs one copy of the pair's code. The cost
-  // of short items is largely instruction fetch (docs/perf.md): code run
-  // once per item is fetched once per item.
+  // whole pair, so that an item runs one copy of the pair's code (short
+  // items stall much on instruction fetch of code run once per item:
+  // docs/perf.md).
   constexpr bool kOnePairBody = !kGather && !Tr::kConvert;
   static_assert(!Tr::kConvert || Tr::kLoad == KvLoad::kFp8 || (kGather && Tr::kRopeDirect),
                 "the seesaw kernel converts dense e4m3 rows and fp8_ds_mla rows with a bf16 query only");
@@ -445,7 +448,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       gemm(mma_o, thr_o.partition_fragment_A(sP), thr_o.partition_fragment_B(v_half(stage)), tOrO);
       warpgroup_commit_batch();
     };
-    // Row maxima of tile t's scaled, masked S (quad-reduced).
+    // Whether every element of tile t is visible to this thread's two rows.
     auto visible_all = [&](int t) {
       return (tile_begin + t) * kBlockN + kBlockN <= min(limit[0], limit[1]) &&
              (!kGather || mask_full());
@@ -487,9 +490,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         tile_max[rr] = fmaxf(tile_max[rr], __shfl_xor_sync(0xffffffffu, tile_max[rr], 2));
       }
     };
-    // P = 2^(S scale - m) (0 where masked), in place in the S accumulator
-    // (no wgmma of this warpgroup is in flight here) and as the bf16/fp16
-    // A operand; returns this thread's row sums. After tile_rowmax(t).
+    // P = 2^(S scale - m) (0 where masked; S already scaled and masked by
+    // tile_rowmax(t) where kOnePairBody), in place in the S accumulator (no
+    // wgmma of this warpgroup is in flight here) and as the bf16/fp16 A
+    // operand; returns this thread's row sums. After tile_rowmax(t).
     auto softmax_in_place = [&](int t, const float (&m)[2], float (&sum)[2]) {
       const int tok0 = (tile_begin + t) * kBlockN;
       const bool all = kOnePairBody || visible_all(t);
@@ -723,7 +727,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     if constexpr (kOnePairBody) {
       // Every whole pair runs the same code; an odd last tile has its own.
       for (int k = 0; 2 * k + 1 < num_tiles; ++k) pair(k, True{}, True{}, True{}, 2 * k + 2 < num_tiles, 2 * k + 3 < num_tiles);
-      if (num_tiles % 2 != 0) pair(num_tiles / 2, False{}, False{}, False{}, False{}, False{});
+      if (num_tiles > 0 && num_tiles % 2 != 0) pair(num_tiles / 2, False{}, False{}, False{}, False{}, False{});
     } else {
       const int num_pairs = (num_tiles + 1) / 2;
       for (int k = 0; k + 1 < num_pairs; ++k) {
