@@ -12,8 +12,9 @@
 #
 # Environment: MLA_JAX_CUDA_ARCHS (default 90a here: H100/H200), PYTHON
 # (default python3), PYTEST_ARGS (extra pytest arguments), PYTEST_JOBS (test
-# files run at once, one pytest each, test_cuda_kernel.py as two, sharing the
-# GPU; default 1: one pytest over tests/, as CI runs it), SKIP_BUILD=1 (test the installed build, e.g. on
+# files run at once, one pytest each, test_cuda_kernel.py as 1 + CK_SHARDS
+# parts (default 3), sharing the GPU; default 1: one pytest over tests/, as CI
+# runs it), SKIP_BUILD=1 (test the installed build, e.g. on
 # a machine still warm from an earlier call). After a build by
 # this script, the long randomized run on the GPU alone is
 #   python3 -m pytest -q tests/test_differential.py -k "random_cases and cuda" --differential-cases 3000
@@ -71,24 +72,34 @@ if [ "$JOBS" -le 1 ]; then
 else
   # One pytest per test file, JOBS at a time, the slow GPU-heavy files
   # first so that they do not start last; test_cuda_kernel.py, the longest,
-  # in two shards (-k fp8 and -k "not fp8") so that no single part holds
-  # the run back. Each part's log goes to /tmp/mla_jax_pytest_parts/<part>.log,
-  # all of them into pytest.log (one file: the device tool brings back few).
+  # as -k fp8 and CK_SHARDS lists of its other tests (dealt round-robin from
+  # the collected ids) so that no single part holds the run back. Each
+  # part's log goes to /tmp/mla_jax_pytest_parts/<part>.log, all of them
+  # into pytest.log (one file: the device tool brings back few).
   parts=/tmp/mla_jax_pytest_parts
   rm -rf "$parts" && mkdir -p "$parts"
+  CK_SHARDS=${CK_SHARDS:-3}
+  "$PY" -m pytest -q --collect-only -p no:cacheprovider tests/test_cuda_kernel.py -k "not fp8" 2>/dev/null |
+    grep "::" | awk -v n="$CK_SHARDS" -v d="$parts" '{print > (d "/ck_ids." (NR - 1) % n)}'
   first="test_cuda_kernel test_differential test_sparse_decode test_serving test_context_parallel test_fp8"
   files=$(for f in $first; do echo "tests/$f.py"; done; ls tests/test_*.py | grep -v -E "$(echo $first | tr ' ' '|')")
-  # Lines "FILE|NAME|KEXPR" (KEXPR empty: the whole file).
+  # Lines "FILE|NAME|KEXPR" (KEXPR empty: the whole file; FILE "@LIST": the
+  # test ids in LIST, one a line).
   jobs=$(for f in $files; do
            n=$(basename "$f" .py)
-           if [ "$n" = test_cuda_kernel ]; then echo "$f|$n.fp8|fp8"; echo "$f|$n.other|not fp8"
+           if [ "$n" = test_cuda_kernel ]; then
+             echo "$f|$n.fp8|fp8"
+             if compgen -G "$parts/ck_ids.*" > /dev/null; then
+               for ids in "$parts"/ck_ids.*; do echo "@$ids|$n.other${ids##*.}|"; done
+             else echo "$f|$n.other|not fp8"; fi  # collection failed: one part, which reports why
            else echo "$f|$n|"; fi
          done)
   export PY parts PYTEST_ARGS
   printf '%s\n' "$jobs" | xargs -P "$JOBS" -I{} bash -c \
     'IFS="|" read -r f n k <<< "{}"; sel=(); [ -n "$k" ] && sel=(-k "$k")
+     if [[ $f == @* ]]; then mapfile -t targets < "${f#@}"; else targets=("$f"); fi
      # shellcheck disable=SC2086
-     "$PY" -m pytest -q -p no:cacheprovider "$f" "${sel[@]}" ${PYTEST_ARGS:-} > "$parts/$n.log" 2>&1
+     "$PY" -m pytest -q -p no:cacheprovider "${targets[@]}" "${sel[@]}" ${PYTEST_ARGS:-} > "$parts/$n.log" 2>&1
      echo "$? $n" >> "$parts/rc"'
   cat "$parts"/test_*.log > "$log_file"
   awk '$1 != 0 && $1 != 5 {bad = 1} END {exit bad}' "$parts/rc" || rc=1
