@@ -29,9 +29,11 @@
 //   stage 1 blocks 0-3 (V_bL):             warpgroup 0, after P_b V_bL;
 // and S of the next tile reads its blocks in the order they were freed
 // (tile a: 0-8; tile b: 4-8, then 0-3), each as soon as its TMA lands.
-// Plain dense tiles (kOnePairBody) issue that S even where the next tile
-// does not exist: the refilling warpgroup then completes the blocks'
-// barriers without a load (complete_boxes), and the S is discarded.
+// Every whole pair runs one copy of the pair's code (short items stall
+// much on instruction fetch of code run once per item: docs/perf.md), so
+// it issues that S even where the next tile does not exist: the refilling
+// warpgroup then completes the blocks' barriers without a load
+// (complete_boxes; gathers zero-fill the tile), and the S is discarded.
 //
 // Hand-offs (named barriers; one warpgroup arrives, the other waits):
 //   MaxA (0 -> 1): m_a is in shared memory;   MaxB (1 -> 0): m_b;
@@ -86,11 +88,6 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   // fp8_ds_mla rows (sparse decode, bf16 query): gathered by index with
   // cp.async instead of TMA boxes (see the header).
   constexpr bool kGather = Tr::kLoad == KvLoad::kDsMla;
-  // Plain (bf16/fp16) dense tiles: one instantiation of the pair for every
-  // whole pair, so that an item runs one copy of the pair's code (short
-  // items stall much on instruction fetch of code run once per item:
-  // docs/perf.md).
-  constexpr bool kOnePairBody = !kGather && !Tr::kConvert;
   static_assert(!Tr::kConvert || Tr::kLoad == KvLoad::kFp8 || (kGather && Tr::kRopeDirect),
                 "the seesaw kernel converts dense e4m3 rows and fp8_ds_mla rows with a bf16 query only");
   using cutlass::arch::NamedBarrier;
@@ -292,11 +289,15 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     // This warpgroup's part of a whole tile (prologue): 0-3 or 4-8.
     auto issue_own_part = [&](int t, int entry) { issue_boxes(t, entry, wg == 0 ? 0 : 4, wg == 0 ? 4 : 5); };
     // Completes the phase of blocks [first, first + count) of `stage` with no
-    // load (kOnePairBody: a pair with no next tile still issues the next S,
-    // over whatever the stage holds, and discards it).
+    // load (a pair with no next tile still issues the next S, over whatever
+    // the stage holds, and discards it).
     auto complete_boxes = [&](int stage, int first, int count) {
       if (wg_tid != 0) return;
-      for (int j = 0; j < count; ++j) FullBarrier::arrive(&kv_full[stage * Tr::kKvBlocks + first + j]);
+      if constexpr (Tr::kConvert) {
+        FullBarrier::arrive(&kv_full[stage * Tr::kKvBlocks + first]);  // a half lands on its first block's barrier
+      } else {
+        for (int j = 0; j < count; ++j) FullBarrier::arrive(&kv_full[stage * Tr::kKvBlocks + first + j]);
+      }
     };
     // Gathers (kGather): rows[0], rows[1] of lane l are the cache rows (or
     // -1: padding, out of range, past the item's end) of tokens l and l + 32
@@ -367,14 +368,12 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     cute::cp_async_fence();
     int limit[2];  // visible length of this thread's two rows (<= tok_end)
     row_limits(p, it, m0, row_base, limit);
-    if constexpr (kOnePairBody) {
-      // Rows past q_len x heads (zero query, never written; no row reads
-      // another) need no mask, so that interior tiles take the unmasked
-      // path with fewer than 64 rows.
+    // Rows past q_len x heads (zero query, never written; no row reads
+    // another) need no mask, so that interior tiles take the unmasked path
+    // with fewer than 64 rows.
 #pragma unroll
-      for (int rr = 0; rr < 2; ++rr)
-        if (m0 + row_base + 8 * rr >= p.rows_per_request()) limit[rr] = static_cast<int>(tok_end);
-    }
+    for (int rr = 0; rr < 2; ++rr)
+      if (m0 + row_base + 8 * rr >= p.rows_per_request()) limit[rr] = static_cast<int>(tok_end);
     clear(tOrO);
     float m_run[2] = {-INFINITY, -INFINITY};  // running max (log2 domain), the same in both warpgroups
     float l_own[2] = {0.f, 0.f};  // sum of this warpgroup's P (its own tiles), relative to m_run
@@ -453,60 +452,43 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       return (tile_begin + t) * kBlockN + kBlockN <= min(limit[0], limit[1]) &&
              (!kGather || mask_full());
     };
-    // Row maxima of tile t's scaled, masked S (quad-reduced). Whole pairs of
-    // plain dense tiles (kOnePairBody) scale S in place (log2 domain) and
-    // set its masked elements to -inf, so that the maxima and the softmax
-    // have one copy of their code, not a masked one beside it (2^-inf = 0).
+    // Row maxima of tile t's S (quad-reduced), after scaling S in place (log2
+    // domain) and setting its masked elements to -inf, so that the maxima and
+    // the softmax have one copy of their code, not a masked one beside it
+    // (2^-inf = 0).
     auto tile_rowmax = [&](int t, float (&tile_max)[2]) {
       const int tok0 = (tile_begin + t) * kBlockN;
       tile_max[0] = tile_max[1] = -INFINITY;
-      if constexpr (kOnePairBody) {
-        if (visible_all(t)) {
+      if (visible_all(t)) {
 #pragma unroll
-          for (int i = 0; i < size(tSrS); ++i) tSrS(i) *= scale_log2;
-        } else {
-#pragma unroll
-          for (int i = 0; i < size(tSrS); ++i) {
-            const int col = get<1>(tScS(i));
-            tSrS(i) = tok0 + col < limit[accumulator_row_half(i)] ? tSrS(i) * scale_log2 : -INFINITY;
-          }
-        }
-#pragma unroll
-        for (int i = 0; i < size(tSrS); ++i) tile_max[accumulator_row_half(i)] = fmaxf(tile_max[accumulator_row_half(i)], tSrS(i));
-      } else if (visible_all(t)) {
-#pragma unroll
-        for (int i = 0; i < size(tSrS); ++i) tile_max[accumulator_row_half(i)] = fmaxf(tile_max[accumulator_row_half(i)], tSrS(i) * scale_log2);
+        for (int i = 0; i < size(tSrS); ++i) tSrS(i) *= scale_log2;
       } else {
 #pragma unroll
         for (int i = 0; i < size(tSrS); ++i) {
-          const int rr = accumulator_row_half(i);
           const int col = get<1>(tScS(i));
-          if (tok0 + col < limit[rr] && (!kGather || element_in_mask(i))) tile_max[rr] = fmaxf(tile_max[rr], tSrS(i) * scale_log2);
+          const bool keep = tok0 + col < limit[accumulator_row_half(i)] && (!kGather || element_in_mask(i));
+          tSrS(i) = keep ? tSrS(i) * scale_log2 : -INFINITY;
         }
       }
+#pragma unroll
+      for (int i = 0; i < size(tSrS); ++i) tile_max[accumulator_row_half(i)] = fmaxf(tile_max[accumulator_row_half(i)], tSrS(i));
 #pragma unroll
       for (int rr = 0; rr < 2; ++rr) {
         tile_max[rr] = fmaxf(tile_max[rr], __shfl_xor_sync(0xffffffffu, tile_max[rr], 1));
         tile_max[rr] = fmaxf(tile_max[rr], __shfl_xor_sync(0xffffffffu, tile_max[rr], 2));
       }
     };
-    // P = 2^(S scale - m) (0 where masked; S already scaled and masked by
-    // tile_rowmax(t) where kOnePairBody), in place in the S accumulator (no
-    // wgmma of this warpgroup is in flight here) and as the bf16/fp16 A
-    // operand; returns this thread's row sums. After tile_rowmax(t).
-    auto softmax_in_place = [&](int t, const float (&m)[2], float (&sum)[2]) {
-      const int tok0 = (tile_begin + t) * kBlockN;
-      const bool all = kOnePairBody || visible_all(t);
+    // P = 2^(S - m) (S scaled and masked by tile_rowmax: 0 where masked), in
+    // place in the S accumulator (no wgmma of this warpgroup is in flight
+    // here) and as the bf16/fp16 A operand; returns this thread's row sums.
+    // After tile_rowmax.
+    auto softmax_in_place = [&](const float (&m)[2], float (&sum)[2]) {
       const float neg_m[2] = {-usable(m[0]), -usable(m[1])};
       sum[0] = sum[1] = 0.f;
 #pragma unroll
       for (int i = 0; i < size(tSrS); ++i) {
         const int rr = accumulator_row_half(i);
-        float e = fast_exp2(kOnePairBody ? tSrS(i) + neg_m[rr] : fmaf(tSrS(i), scale_log2, neg_m[rr]));
-        if (!all) {
-          const int col = get<1>(tScS(i));
-          e = tok0 + col < limit[rr] && (!kGather || element_in_mask(i)) ? e : 0.f;
-        }
+        const float e = fast_exp2(tSrS(i) + neg_m[rr]);
         sum[rr] += e;
         tSrS(i) = e;
         tOrP(i) = static_cast<Elem>(e);
@@ -561,17 +543,13 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     }
 
     // One pair of tiles. Every wgmma a pair issues is unconditional inside
-    // its instantiation (kHasB: tile b exists; kNextA / kNextB: S of tiles
-    // a + 2 / b + 2 is issued): a wgmma issued on one path only makes ptxas
-    // serialise all of them. next_a / next_b: tiles a + 2 / b + 2 exist
-    // (constants, or run-time values where kOnePairBody issues the next S
-    // whether or not they exist; the loads decide). S(a) (warpgroup 0) and
-    // S(b) (warpgroup 1) are complete on entry.
-    auto pair = [&](const int k, auto has_b_const, auto may_a_const, auto may_b_const, auto next_a, auto next_b)
-                    __attribute__((always_inline)) {
+    // its instantiation (kHasB: tile b exists, a whole pair, which also
+    // issues S of tiles a + 2 and b + 2): a wgmma issued on one path only
+    // makes ptxas serialise all of them. next_a / next_b: tiles a + 2 / b + 2
+    // exist (the loads decide; S is issued either way). S(a) (warpgroup 0)
+    // and S(b) (warpgroup 1) are complete on entry.
+    auto pair = [&](const int k, auto has_b_const, const bool next_a, const bool next_b) __attribute__((always_inline)) {
       constexpr bool kHasB = decltype(has_b_const)::value;
-      constexpr bool kNextA = decltype(may_a_const)::value;
-      constexpr bool kNextB = decltype(may_b_const)::value;
       const int ta = 2 * k, tb = 2 * k + 1;
       // Entries of the next pair's tiles, read now to be ready mid-pair.
       int entry_a = 0, entry_b = 0;
@@ -582,11 +560,13 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         } else {
           set_tile_mask(rows_b);
         }
-        if (kNextA && next_a) fetch_rows(ta + 2, rows_a);
-        if (kNextB && next_b) fetch_rows(tb + 2, rows_b);
+        if (kHasB) {  // past the item's end the rows come back -1 (zero-filled, masked)
+          fetch_rows(ta + 2, rows_a);
+          fetch_rows(tb + 2, rows_b);
+        }
       } else if (wg_tid == 0) {
-        if (kNextA && next_a) entry_a = fetch_entry(ta + 2);
-        if (kNextB && next_b) entry_b = fetch_entry(tb + 2);
+        if (kHasB && next_a) entry_a = fetch_entry(ta + 2);
+        if (kHasB && next_b) entry_b = fetch_entry(tb + 2);
       }
       float m_a[2], m_b[2], tmax[2], sum[2], c[2];
       if (wg == 0) {
@@ -599,7 +579,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         }
         publish_max(m_a, 0);
         NamedBarrier::arrive(256, kBarMaxA);
-        softmax_in_place(ta, m_a, sum);
+        softmax_in_place(m_a, sum);
 #pragma unroll
         for (int rr = 0; rr < 2; ++rr) l_own[rr] = l_own[rr] * c[rr] + sum[rr];
         warpgroup_fence_operand(tOrO);
@@ -607,7 +587,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         issue_pv_regs(0);  // O_L += P_a V_aL
         warpgroup_wait<0>();
         warpgroup_fence_operand(tOrO);
-        if (kNextA) {  // V_aL is free
+        if (kHasB) {  // V_aL is free
           if constexpr (kGather) {
             gather_half(ta + 2, rows_a, false);
           } else if (next_a) {
@@ -637,11 +617,11 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
           NamedBarrier::sync(256, kBarPb);
           issue_pv_smem(sPb, 1);  // O_L += P_b V_bL
         }
-        if constexpr (kNextA) {  // S(a + 2): the blocks freed first
+        if constexpr (kHasB) {  // S(a + 2): the blocks freed first
           issue_s_blocks(Zero{}, Four{}, std::true_type{});
           warpgroup_commit_batch();
         }
-        if constexpr (kNextB) {
+        if constexpr (kHasB) {
           warpgroup_wait<1>();  // P_b V_bL done: V_bL is free
           if constexpr (kGather) {
             gather_half(tb + 2, rows_b, false);
@@ -651,7 +631,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             complete_boxes(1, 0, 4);
           }
         }
-        if constexpr (kNextA) {
+        if constexpr (kHasB) {
           issue_s_blocks(Four{}, Nine{}, std::false_type{});
           warpgroup_commit_batch();
           full_phase ^= 1u;
@@ -669,7 +649,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
           for (int rr = 0; rr < 2; ++rr) m_b[rr] = fmaxf(m_a[rr], tmax[rr]);
           publish_max(m_b, 1);
           NamedBarrier::arrive(256, kBarMaxB);
-          softmax_in_place(tb, m_b, sum);
+          softmax_in_place(m_b, sum);
         } else {
           m_b[0] = m_a[0];
           m_b[1] = m_a[1];
@@ -691,7 +671,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         }
         NamedBarrier::sync(256, kBarPa);
         issue_pv_smem(sPa, 0);  // O_R += P_a V_aR
-        if constexpr (kNextB) {
+        if constexpr (kHasB) {
           warpgroup_wait<1>();  // P_b V_bR done: V_bR and tile b's rope are free
           if constexpr (kGather) {
             gather_half(tb + 2, rows_b, true);
@@ -703,7 +683,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         }
         warpgroup_wait<0>();  // P_a V_aR done: V_aR and P_a are free
         warpgroup_fence_operand(tOrO);
-        if (kNextA) {
+        if (kHasB) {
           if constexpr (kGather) {
             gather_half(ta + 2, rows_a, true);
           } else if (next_a) {
@@ -712,7 +692,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             complete_boxes(0, 4, 5);
           }
         }
-        if constexpr (kNextB) {
+        if constexpr (kHasB) {
           issue_s_blocks(Four{}, Nine{}, std::true_type{});  // S(b + 2): the blocks freed first
           issue_s_blocks(Zero{}, Four{}, std::false_type{});
           warpgroup_commit_batch();
@@ -722,29 +702,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         }
       }
     };
-    using True = std::true_type;
-    using False = std::false_type;
-    if constexpr (kOnePairBody) {
-      // Every whole pair runs the same code; an odd last tile has its own.
-      for (int k = 0; 2 * k + 1 < num_tiles; ++k) pair(k, True{}, True{}, True{}, 2 * k + 2 < num_tiles, 2 * k + 3 < num_tiles);
-      if (num_tiles > 0 && num_tiles % 2 != 0) pair(num_tiles / 2, False{}, False{}, False{}, False{}, False{});
-    } else {
-      const int num_pairs = (num_tiles + 1) / 2;
-      for (int k = 0; k + 1 < num_pairs; ++k) {
-        if (2 * k + 3 < num_tiles) {
-          pair(k, True{}, True{}, True{}, True{}, True{});
-        } else {
-          pair(k, True{}, True{}, False{}, True{}, False{});
-        }
-      }
-      if (num_pairs > 0) {
-        if (num_tiles % 2 == 0) {
-          pair(num_pairs - 1, True{}, False{}, False{}, False{}, False{});
-        } else {
-          pair(num_pairs - 1, False{}, False{}, False{}, False{}, False{});
-        }
-      }
-    }
+    // Every whole pair runs the same code; an odd last tile has its own.
+    for (int k = 0; 2 * k + 1 < num_tiles; ++k) pair(k, std::true_type{}, 2 * k + 2 < num_tiles, 2 * k + 3 < num_tiles);
+    if (num_tiles > 0 && num_tiles % 2 != 0) pair(num_tiles / 2, std::false_type{}, false, false);
     warpgroup_fence_operand(tOrO);
 
     // Both warpgroups' sums are relative to the same m_run.
