@@ -125,8 +125,8 @@ def test_swapab_serves_fp8_caches_with_few_rows_only():
 @pytest.mark.parametrize("heads,kv_format,q_dtype,topk,want", [
     (64, "bf16", jnp.bfloat16, 2048, "sm90_lockstep"), (128, "fp8_ds_mla", jnp.bfloat16, 2048, "sm90_seesaw"),
     (32, "fp8_ds_mla", jnp.bfloat16, 2048, "sm90_seesaw"), (17, "fp8_ds_mla", jnp.bfloat16, 2048, "sm90_seesaw"),
-    (128, "fp8_ds_mla", jnp.bfloat16, 1279, "sm90_lockstep"), (64, "fp8_ds_mla", jnp.bfloat16, 1280, "sm90_seesaw"),
-    (64, "fp8_ds_mla", jnp.bfloat16, 1024, "sm90_lockstep"), (64, "fp8_ds_mla", jnp.bfloat16, 512, "sm90_lockstep"),
+    (128, "fp8_ds_mla", jnp.bfloat16, 1023, "sm90_lockstep"), (64, "fp8_ds_mla", jnp.bfloat16, 1024, "sm90_seesaw"),
+    (64, "fp8_ds_mla", jnp.bfloat16, 768, "sm90_lockstep"), (64, "fp8_ds_mla", jnp.bfloat16, 512, "sm90_lockstep"),
     (128, "fp8_ds_mla", jnp.float16, 2048, "sm90_lockstep"),
     (32, "bf16", jnp.bfloat16, 2048, "portable"), (16, "fp8_ds_mla", jnp.bfloat16, 2048, "sm90_swapab"),
     (12, "fp8_ds_mla", jnp.bfloat16, 128, "sm90_swapab"), (1, "fp8_ds_mla", jnp.bfloat16, 2048, "sm90_swapab"),
@@ -134,7 +134,7 @@ def test_swapab_serves_fp8_caches_with_few_rows_only():
 def test_sparse_capability_table(heads, kv_format, q_dtype, topk, want):
   # fp8_ds_mla with a bf16 query and 16 heads or fewer: the swap-AB kernel
   # (rows gathered by index); more heads: the seesaw kernel (its gathering
-  # form) from top-k 1280 on, else the lock-step kernel, as with an fp16
+  # form) from top-k 1024 on, else the lock-step kernel, as with an fp16
   # query.
   plan = mla_jax.SparseDecodePlan(num_heads=heads, page_size=64, sm_scale=SM_SCALE, topk=topk, kv_format=kv_format,
                                   backend="cuda")
@@ -146,7 +146,7 @@ def test_sparse_capability_table(heads, kv_format, q_dtype, topk, want):
   schedule = "inline" if want == "sm90_seesaw" else "kernel"
   assert got.kernel.kernel == want and got.kernel.schedule == schedule, str(got)
   if want == "sm90_lockstep" and kv_format == "fp8_ds_mla" and q_dtype == jnp.bfloat16:
-    assert any(f"top-k {topk} is below the 1280" in line for line in got.reasons), str(got)
+    assert any(f"top-k {topk} is below the 1024" in line for line in got.reasons), str(got)
   if want != "sm90_swapab":
     with pytest.raises(ValueError, match="sm90_swapab"):
       mla_jax.explain(dataclasses.replace(plan, kernel="sm90_swapab"), *args, device=H200)

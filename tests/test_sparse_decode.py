@@ -544,8 +544,8 @@ HOPPER_CASES = [
     (96, 1, 1, "arbitrary", jnp.bfloat16),
     (64, 1, 300, "arbitrary", jnp.float16),
     (32, 2, 2048, "pow2", jnp.bfloat16),          # 17-32 heads: one 64-row block, the rows past 32 zero
-    (64, 1, 1279, "pow2", jnp.bfloat16),          # one below kSeesawSparseMinTopk: auto keeps the lock-step kernel
-    (128, 1, 1280, "arbitrary", jnp.bfloat16),    # kSeesawSparseMinTopk itself: auto takes the seesaw kernel
+    (64, 1, 1023, "pow2", jnp.bfloat16),          # one below kSeesawSparseMinTopk: auto keeps the lock-step kernel
+    (128, 1, 1024, "arbitrary", jnp.bfloat16),    # kSeesawSparseMinTopk itself: auto takes the seesaw kernel
     (20, 1, 300, "arbitrary", jnp.float16),
     (16, 1, 2048, "pow2", jnp.bfloat16),          # 16 heads or fewer, bf16 query: the swap-AB kernel
     (16, 2, 2049, "arbitrary", jnp.bfloat16),
@@ -559,7 +559,7 @@ HOPPER_CASES = [
 def _hopper_kernel(num_heads, dtype, topk):
   """The kernel auto-selection picks on an sm_90 GPU for fp8_ds_mla."""
   if num_heads > 16:
-    return "sm90_seesaw" if dtype == jnp.bfloat16 and topk >= 1280 else "sm90_lockstep"
+    return "sm90_seesaw" if dtype == jnp.bfloat16 and topk >= 1024 else "sm90_lockstep"
   return "sm90_swapab" if dtype == jnp.bfloat16 else "portable"
 
 
@@ -568,7 +568,7 @@ def _hopper_kernel(num_heads, dtype, topk):
 @pytest.mark.parametrize("num_heads,q_len,topk,scale_format,dtype", HOPPER_CASES)
 def test_hopper_fp8_ds_mla(kernel, num_heads, q_len, topk, scale_format, dtype):
   """On an sm_90 GPU (auto) more than 16 heads run the seesaw kernel with a
-  bf16 query and top-k 1280 or more (rows gathered by index into the halves
+  bf16 query and top-k 1024 or more (rows gathered by index into the halves
   each warpgroup frees, dequantised on chip), else the lock-step kernel; 16 or
   fewer with a bf16 query the swap-AB kernel (the scales applied to the S^T
   group sums and the V^T values). The Hopper kernels are also forced on

@@ -79,9 +79,9 @@ constexpr int kSwapAbSparseMaxRows = 16;
 // Top-k entries per query token from which the seesaw kernel's sparse form
 // is auto-selected over the lock-step kernel: each item fills and drains
 // its two-tile pipeline on its own, which short items cannot hide. The
-// smallest top-k of those measured at which the seesaw kernel was ahead at
-// every head count tried (H100; docs/perf.md, "Current results", FP8).
-constexpr int kSeesawSparseMinTopk = 1280;
+// smallest top-k of those measured at which the seesaw kernel was not behind
+// at any head count tried (H100; docs/perf.md, "Current results", FP8).
+constexpr int kSeesawSparseMinTopk = 1024;
 
 // Rows of the portable kernel's row block for `rows` query rows per request.
 constexpr int portable_rows_per_cta(int64_t rows) { return rows <= 16 ? 16 : rows <= 32 ? 32 : 64; }
