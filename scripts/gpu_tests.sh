@@ -15,7 +15,11 @@
 # files run at once, one pytest each, test_cuda_kernel.py as 1 + CK_SHARDS
 # parts (default 3), sharing the GPU; default 1: one pytest over tests/, as CI
 # runs it), SKIP_BUILD=1 (test the installed build, e.g. on
-# a machine still warm from an earlier call). After a build by
+# a machine still warm from an earlier call), TEST_FILES (with PYTEST_JOBS
+# above 1: the test files to run, by name, e.g. "test_fp8 test_sparse_decode";
+# default all), so that a suite longer than one call can be split over two.
+# Stopped by a signal (a time limit), it still writes what the finished and
+# running parts logged to pytest.log, and their last lines. After a build by
 # this script, the long randomized run on the GPU alone is
 #   python3 -m pytest -q tests/test_differential.py -k "random_cases and cuda" --differential-cases 3000
 # The editable install this script makes shadows --target builds: run
@@ -83,6 +87,19 @@ else
     grep "::" | awk -v n="$CK_SHARDS" -v d="$parts" '{print > (d "/ck_ids." (NR - 1) % n)}'
   first="test_cuda_kernel test_differential test_sparse_decode test_serving test_context_parallel test_fp8"
   files=$(for f in $first; do echo "tests/$f.py"; done; ls tests/test_*.py | grep -v -E "$(echo $first | tr ' ' '|')")
+  if [ -n "${TEST_FILES:-}" ]; then
+    files=$(for f in $files; do n=$(basename "$f" .py); if [[ " $TEST_FILES " == *" $n "* ]]; then echo "$f"; fi; done)
+    [ -n "$files" ] || { echo "TEST_FILES ($TEST_FILES) names no file in tests/"; exit 2; }
+  fi
+  # A time limit's signal: keep what the parts have logged so far.
+  partial() {
+    [ -z "${xargs_pid:-}" ] || { pkill -TERM -P "$xargs_pid" 2>/dev/null; kill "$xargs_pid" 2>/dev/null; } || true
+    cat "$parts"/test_*.log > "$log_file" 2>/dev/null || true
+    echo "=== stopped by a signal after $((SECONDS - t0)) s; last line of each part:"
+    for f in "$parts"/test_*.log; do echo "$(basename "$f" .log): $(tail -n 1 "$f")"; done
+    exit 124
+  }
+  trap partial TERM INT
   # Lines "FILE|NAME|KEXPR" (KEXPR empty: the whole file; FILE "@LIST": the
   # test ids in LIST, one a line).
   jobs=$(for f in $files; do
@@ -95,12 +112,17 @@ else
            else echo "$f|$n|"; fi
          done)
   export PY parts PYTEST_ARGS
+  # In the background, so that a signal's trap runs at once (bash runs traps
+  # only between foreground commands, and `wait` is interrupted by them).
   printf '%s\n' "$jobs" | xargs -P "$JOBS" -I{} bash -c \
     'IFS="|" read -r f n k <<< "{}"; sel=(); [ -n "$k" ] && sel=(-k "$k")
      if [[ $f == @* ]]; then mapfile -t targets < "${f#@}"; else targets=("$f"); fi
      # shellcheck disable=SC2086
      "$PY" -m pytest -q -p no:cacheprovider "${targets[@]}" "${sel[@]}" ${PYTEST_ARGS:-} > "$parts/$n.log" 2>&1
-     echo "$? $n" >> "$parts/rc"'
+     echo "$? $n" >> "$parts/rc"' &
+  xargs_pid=$!
+  wait "$xargs_pid"
+  trap - TERM INT
   cat "$parts"/test_*.log > "$log_file"
   awk '$1 != 0 && $1 != 5 {bad = 1} END {exit bad}' "$parts/rc" || rc=1
   # "N passed, M skipped ..." per file, summed (a shard's deselected tests
