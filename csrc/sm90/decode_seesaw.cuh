@@ -542,6 +542,18 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       full_phase ^= 1u;
     }
 
+    // Refills half `high` (blocks 4-8, else 0-3) of tile t's stage: gathers
+    // its rows, loads `entry`'s page, or, where tile t does not exist
+    // (!next), completes the blocks' barriers with no load.
+    auto refill_half = [&](int t, const int (&rows)[2], int entry, bool next, bool high) __attribute__((always_inline)) {
+      if constexpr (kGather) {
+        gather_half(t, rows, high);
+      } else if (next) {
+        issue_boxes(t, entry, high ? 4 : 0, high ? 5 : 4);
+      } else {
+        complete_boxes(t % Tr::kStages, high ? 4 : 0, high ? 5 : 4);
+      }
+    };
     // One pair of tiles. Every wgmma a pair issues is unconditional inside
     // its instantiation (kHasB: tile b exists, a whole pair, which also
     // issues S of tiles a + 2 and b + 2): a wgmma issued on one path only
@@ -587,15 +599,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         issue_pv_regs(0);  // O_L += P_a V_aL
         warpgroup_wait<0>();
         warpgroup_fence_operand(tOrO);
-        if (kHasB) {  // V_aL is free
-          if constexpr (kGather) {
-            gather_half(ta + 2, rows_a, false);
-          } else if (next_a) {
-            issue_boxes(ta + 2, entry_a, 0, 4);
-          } else {
-            complete_boxes(0, 0, 4);
-          }
-        }
+        if constexpr (kHasB) refill_half(ta + 2, rows_a, entry_a, next_a, false);  // V_aL is free
         if constexpr (kHasB) {
           NamedBarrier::sync(256, kBarMaxB);
           read_max(m_b, 1);
@@ -616,22 +620,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
           rescale_o(c);
           NamedBarrier::sync(256, kBarPb);
           issue_pv_smem(sPb, 1);  // O_L += P_b V_bL
-        }
-        if constexpr (kHasB) {  // S(a + 2): the blocks freed first
-          issue_s_blocks(Zero{}, Four{}, std::true_type{});
+          issue_s_blocks(Zero{}, Four{}, std::true_type{});  // S(a + 2): the blocks freed first
           warpgroup_commit_batch();
-        }
-        if constexpr (kHasB) {
           warpgroup_wait<1>();  // P_b V_bL done: V_bL is free
-          if constexpr (kGather) {
-            gather_half(tb + 2, rows_b, false);
-          } else if (next_b) {
-            issue_boxes(tb + 2, entry_b, 0, 4);
-          } else {
-            complete_boxes(1, 0, 4);
-          }
-        }
-        if constexpr (kHasB) {
+          refill_half(tb + 2, rows_b, entry_b, next_b, false);
           issue_s_blocks(Four{}, Nine{}, std::false_type{});
           warpgroup_commit_batch();
           full_phase ^= 1u;
@@ -673,26 +665,12 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         issue_pv_smem(sPa, 0);  // O_R += P_a V_aR
         if constexpr (kHasB) {
           warpgroup_wait<1>();  // P_b V_bR done: V_bR and tile b's rope are free
-          if constexpr (kGather) {
-            gather_half(tb + 2, rows_b, true);
-          } else if (next_b) {
-            issue_boxes(tb + 2, entry_b, 4, 5);
-          } else {
-            complete_boxes(1, 4, 5);
-          }
+          refill_half(tb + 2, rows_b, entry_b, next_b, true);
         }
         warpgroup_wait<0>();  // P_a V_aR done: V_aR and P_a are free
         warpgroup_fence_operand(tOrO);
-        if (kHasB) {
-          if constexpr (kGather) {
-            gather_half(ta + 2, rows_a, true);
-          } else if (next_a) {
-            issue_boxes(ta + 2, entry_a, 4, 5);
-          } else {
-            complete_boxes(0, 4, 5);
-          }
-        }
         if constexpr (kHasB) {
+          refill_half(ta + 2, rows_a, entry_a, next_a, true);
           issue_s_blocks(Four{}, Nine{}, std::true_type{});  // S(b + 2): the blocks freed first
           issue_s_blocks(Zero{}, Four{}, std::false_type{});
           warpgroup_commit_batch();
