@@ -55,7 +55,7 @@ class KernelChoice:
       "sm90_swapab" (Hopper ``wgmma`` with the tokens as M: a
       ``float8_e4m3fn`` cache, ``page_size`` a multiple of 64, at most 32
       query rows per request; sparse decode over ``fp8_ds_mla`` with a bf16
-      query and at most 16 heads).
+      query and at most 32 heads).
     schedule: who computes the split-KV schedule: "auto", "kernel" (the
       scheduler kernel, before the decode), "inline" (one warp of every
       seesaw CTA, up to 32 requests) or "block" (every seesaw CTA).

@@ -124,7 +124,8 @@ def test_swapab_serves_fp8_caches_with_few_rows_only():
 @needs_sm90a
 @pytest.mark.parametrize("heads,kv_format,q_dtype,topk,want", [
     (64, "bf16", jnp.bfloat16, 2048, "sm90_lockstep"), (128, "fp8_ds_mla", jnp.bfloat16, 2048, "sm90_seesaw"),
-    (32, "fp8_ds_mla", jnp.bfloat16, 2048, "sm90_seesaw"), (17, "fp8_ds_mla", jnp.bfloat16, 2048, "sm90_seesaw"),
+    (32, "fp8_ds_mla", jnp.bfloat16, 2048, "sm90_swapab"), (17, "fp8_ds_mla", jnp.bfloat16, 2048, "sm90_swapab"),
+    (33, "fp8_ds_mla", jnp.bfloat16, 2048, "sm90_seesaw"),
     (128, "fp8_ds_mla", jnp.bfloat16, 1023, "sm90_lockstep"), (64, "fp8_ds_mla", jnp.bfloat16, 1024, "sm90_seesaw"),
     (64, "fp8_ds_mla", jnp.bfloat16, 768, "sm90_lockstep"), (64, "fp8_ds_mla", jnp.bfloat16, 512, "sm90_lockstep"),
     (128, "fp8_ds_mla", jnp.float16, 2048, "sm90_lockstep"),
@@ -132,7 +133,7 @@ def test_swapab_serves_fp8_caches_with_few_rows_only():
     (12, "fp8_ds_mla", jnp.bfloat16, 128, "sm90_swapab"), (1, "fp8_ds_mla", jnp.bfloat16, 2048, "sm90_swapab"),
     (16, "fp8_ds_mla", jnp.float16, 2048, "portable"), (16, "bf16", jnp.bfloat16, 2048, "portable")])
 def test_sparse_capability_table(heads, kv_format, q_dtype, topk, want):
-  # fp8_ds_mla with a bf16 query and 16 heads or fewer: the swap-AB kernel
+  # fp8_ds_mla with a bf16 query and 32 heads or fewer: the swap-AB kernel
   # (rows gathered by index); more heads: the seesaw kernel (its gathering
   # form) from top-k 1024 on, else the lock-step kernel, as with an fp16
   # query.

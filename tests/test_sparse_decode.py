@@ -543,11 +543,13 @@ HOPPER_CASES = [
     (64, 4, 64, "pow2", jnp.float16),             # fp16 query: the bf16 rope is converted on chip
     (96, 1, 1, "arbitrary", jnp.bfloat16),
     (64, 1, 300, "arbitrary", jnp.float16),
-    (32, 2, 2048, "pow2", jnp.bfloat16),          # 17-32 heads: one 64-row block, the rows past 32 zero
+    (32, 2, 2048, "pow2", jnp.bfloat16),          # 17-32 heads: the swap-AB kernel, 32 rows a CTA (seesaw, lock-step forced: one 64-row block)
+    (24, 1, 2049, "arbitrary", jnp.bfloat16),     # 17-32 heads, rows past 24 of the 32-row block zero
+    (17, 2, 64, "pow2", jnp.bfloat16),
     (64, 1, 1023, "pow2", jnp.bfloat16),          # one below kSeesawSparseMinTopk: auto keeps the lock-step kernel
     (128, 1, 1024, "arbitrary", jnp.bfloat16),    # kSeesawSparseMinTopk itself: auto takes the seesaw kernel
     (20, 1, 300, "arbitrary", jnp.float16),
-    (16, 1, 2048, "pow2", jnp.bfloat16),          # 16 heads or fewer, bf16 query: the swap-AB kernel
+    (16, 1, 2048, "pow2", jnp.bfloat16),          # 16 heads or fewer, bf16 query: the swap-AB kernel, 16 rows a CTA
     (16, 2, 2049, "arbitrary", jnp.bfloat16),
     (12, 4, 64, "pow2", jnp.bfloat16),
     (8, 1, 300, "arbitrary", jnp.bfloat16),
@@ -558,20 +560,23 @@ HOPPER_CASES = [
 
 def _hopper_kernel(num_heads, dtype, topk):
   """The kernel auto-selection picks on an sm_90 GPU for fp8_ds_mla."""
+  if dtype == jnp.bfloat16 and num_heads <= 32:
+    return "sm90_swapab"
   if num_heads > 16:
     return "sm90_seesaw" if dtype == jnp.bfloat16 and topk >= 1024 else "sm90_lockstep"
-  return "sm90_swapab" if dtype == jnp.bfloat16 else "portable"
+  return "portable"
 
 
 @GPU
 @pytest.mark.parametrize("kernel", ["auto", "portable", "sm90_lockstep", "sm90_seesaw"])
 @pytest.mark.parametrize("num_heads,q_len,topk,scale_format,dtype", HOPPER_CASES)
 def test_hopper_fp8_ds_mla(kernel, num_heads, q_len, topk, scale_format, dtype):
-  """On an sm_90 GPU (auto) more than 16 heads run the seesaw kernel with a
-  bf16 query and top-k 1024 or more (rows gathered by index into the halves
-  each warpgroup frees, dequantised on chip), else the lock-step kernel; 16 or
-  fewer with a bf16 query the swap-AB kernel (the scales applied to the S^T
-  group sums and the V^T values). The Hopper kernels are also forced on
+  """On an sm_90 GPU (auto) 32 heads or fewer with a bf16 query run the
+  swap-AB kernel (the scales applied to the S^T group sums and the V^T
+  values; 16 or 32 rows a CTA); more than 32 the seesaw kernel with a bf16
+  query and top-k 1024 or more (rows gathered by index into the halves each
+  warpgroup frees, dequantised on chip), else (and with an fp16 query above
+  16 heads) the lock-step kernel. The Hopper kernels are also forced on
   every shape they serve. Padding and out-of-range indices anywhere,
   topk_lens with garbage (a NaN page) after it, and sinks, against the
   float64 reference, and a second run bit for bit."""
@@ -669,15 +674,17 @@ def test_hopper_seesaw_long_items(schedule, h):
 
 
 @GPU
-def test_hopper_swapab_long_items():
+@pytest.mark.parametrize("heads", [16, 24, 32])
+def test_hopper_swapab_long_items(heads):
   """Items of many tiles: 64 entries x q_len 2 with top-k 2048 give the scheduler whole
   requests of up to 32 tiles per partition, so the swap-AB kernel refills every stage of its
   ring many times and its barrier parities carry across items (the small cases above end
-  before a refill). Mixed topk_lens (0, short, full), garbage after them pointing at a NaN
+  before a refill); 16 heads run its 16-row form, 24 and 32 the 32-row one (rows 24..31
+  zero). Mixed topk_lens (0, short, full), garbage after them pointing at a NaN
   page, padding in the middle; every entry against the float64 reference (not against the
   portable kernel, whose cache rounded to bf16 moves lse by up to ~0.025 at this top-k), and a
   second run bit for bit against the first."""
-  case, kv, idx, lens = _long_items_case(seed_of("swapab-long"), 64, 16, "arbitrary", 5, 7, {})
+  case, kv, idx, lens = _long_items_case(seed_of("swapab-long", heads), 64, heads, "arbitrary", 5, 7, {})
   plan = case.plan("cuda")
   if _hopper():
     assert mla_jax.explain(plan, case.query, kv, idx).kernel.kernel == "sm90_swapab"

@@ -186,7 +186,7 @@ Selection select_kernel(const DecodeFacts& f, const KernelConfig& requested, std
   // boxes land the raw bytes), 32 query rows or fewer (wgmma's N). It is
   // chosen before the lock-step kernel (docs/perf.md, "FP8 caches").
   // Its sparse form: fp8_ds_mla rows gathered by index (cp.async, 16-byte
-  // aligned), a bf16 query, 16 heads or fewer.
+  // aligned), a bf16 query, 32 heads or fewer.
   // The seesaw kernel's sparse form: the same rows, any number of heads;
   // above the swap-AB kernel's rows it takes the place of the lock-step
   // kernel.

@@ -75,7 +75,7 @@ bool parse_config(std::string_view text, KernelConfig* config, std::string* why)
 // Query rows per request up to which the swap-AB kernel serves a call.
 constexpr int kSwapAbMaxRows = 32;
 // Its sparse form (fp8_ds_mla, bf16 query): heads per request.
-constexpr int kSwapAbSparseMaxRows = 16;
+constexpr int kSwapAbSparseMaxRows = 32;
 // Top-k entries per query token from which the seesaw kernel's sparse form
 // is auto-selected over the lock-step kernel: each item fills and drains
 // its two-tile pipeline on its own, which short items cannot hide. The

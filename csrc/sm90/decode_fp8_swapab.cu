@@ -2,7 +2,7 @@
 // cache with one kv_scale, bf16 or fp16 query, 16 query rows per CTA (up to
 // 16 rows per request) or 32 (17 to 32 rows; the warpgroups split S^T by
 // query rows and O^T by features); and for sparse decode over fp8_ds_mla
-// rows gathered by index (bf16 query, up to 16 rows per request,
+// rows gathered by index (bf16 query, 16 or 32 rows per CTA as above,
 // swapab_traits.h kSparse).
 #include "csrc/sm90/api.h"
 #include "csrc/sm90/decode_swapab.cuh"
@@ -42,13 +42,16 @@ cudaError_t run_decode_fp8_swapab(const PagedDecodeParams& params, const DecodeW
   if (params.indices != nullptr) {
     // Sparse fp8_ds_mla: rows addressed as index * token stride, copied in
     // 16-byte chunks.
-    if (rows > 16 || params.kv_format != KvFormat::kFp8DsMla || params.q_type != ElemType::kBF16 ||
+    if (rows > 32 || params.kv_format != KvFormat::kFp8DsMla || params.q_type != ElemType::kBF16 ||
         params.ckv_page_stride != int64_t{params.page_size} * params.ckv_token_stride ||
         params.kpe_page_stride != int64_t{params.page_size} * params.kpe_token_stride ||
         reinterpret_cast<uintptr_t>(params.ckv) % 16 != 0 || reinterpret_cast<uintptr_t>(params.kpe) % 16 != 0 ||
         params.ckv_token_stride % 16 != 0 || params.kpe_token_stride % 16 != 0)
       return cudaErrorNotSupported;
-    return launch_swapab<SwapAbTraits<__nv_bfloat16, 16, kSwapAbWarpgroups, kSwapAbStages, true>>(params, ws, schedule,
+    if (rows <= 16)
+      return launch_swapab<SwapAbTraits<__nv_bfloat16, 16, kSwapAbWarpgroups, kSwapAbStages, true>>(params, ws, schedule,
+                                                                                                    stream);
+    return launch_swapab<SwapAbTraits<__nv_bfloat16, 32, kSwapAbWarpgroups, kSwapAbStages, true>>(params, ws, schedule,
                                                                                                   stream);
   }
   if (rows > 32 || params.kv_type != ElemType::kFP8E4M3 ||

@@ -19,8 +19,9 @@
 //   4. O^T += V^T P^T: four 16-token k-steps of one wgmma per 64-feature
 //      m-block each (eight; four at kN = 32), issued by pairs of m-blocks,
 //      each pair's V^T converted as soon as its previous product is done;
-//   5. the stage is refilled with tile t + kStages (kN = 16: each warp
-//      refills its own ckv box as soon as it has read it, inside step 4).
+//   5. the stage is refilled with tile t + kStages (kN = 16, and sparse at
+//      kN = 32: each warp refills its own share as soon as it has read it,
+//      inside step 4; dense kN = 32: the last warp to finish the tile).
 // At the item's end, with kN = 16, the warpgroups merge (m, l, O^T) through
 // shared memory and warpgroup 0 writes the output; with kN = 32 each row's
 // (m, l) goes from the warpgroup that owns it to both, and each warpgroup
@@ -81,6 +82,7 @@ __device__ __forceinline__ void cp_async_4(void* smem, const void* gmem, bool pr
 // that looked it up. Only this warp reads those ckv bytes and that scale
 // after the S^T step (so it may refill them once its O^T step is done), and
 // everyone's S^T reads of kpe and the scales are over at the barrier of step 2.
+// (kN = 16; kN = 32: sparse_gather_split below.)
 template <typename Tr>
 __device__ __forceinline__ void sparse_gather(const PagedDecodeParams& p, char* stage, uint64_t* bar, int warp, int lane,
                                               const int (&rows)[2]) {
@@ -109,6 +111,66 @@ __device__ __forceinline__ void sparse_gather(const PagedDecodeParams& p, char* 
     const int64_t r = live ? rows[i] : 0;
     cp_async_4(stage + Tr::kScaleOffset + tok * 16 + 4 * warp,
                static_cast<const char*>(p.ckv) + r * p.ckv_token_stride + kDsMlaScaleOffset + 4 * warp, live);
+  }
+  cutlass::arch::cpasync_barrier_arrive_noinc(bar);
+}
+
+// Sparse: the fp16 pairs scale / r_run (group `grp`) of tokens (a, a + 1)
+// and (a + 8, a + 9) of the tile in `stage`, the V^T factors of one O^T
+// k-step (sv[0], sv[1]).
+template <typename Tr>
+__device__ __forceinline__ void sparse_v_factors_of(const char* stage, int a, int grp, float inv_r, uint32_t (&sv)[2]) {
+  const float* scl = reinterpret_cast<const float*>(stage + Tr::kScaleOffset);
+  const __half2 lo = __floats2half2_rn(scl[4 * a + grp] * inv_r, scl[4 * (a + 1) + grp] * inv_r);
+  const __half2 hi = __floats2half2_rn(scl[4 * (a + 8) + grp] * inv_r, scl[4 * (a + 9) + grp] * inv_r);
+  sv[0] = *reinterpret_cast<const uint32_t*>(&lo);
+  sv[1] = *reinterpret_cast<const uint32_t*>(&hi);
+}
+
+// Sparse, kN = 32 (both warpgroups on every tile): warp `warp` of
+// warpgroup `wg`'s share of a tile, so that each of the 256 lanes arrives
+// once on `bar` (rows[i] as above). In O^T each 16-byte ckv chunk of a
+// tile is read by one warp (swapab_traits.h: warp w of warpgroup v reads box
+// 2 v + w / 2, logical chunks 4 (w & 1) .. 4 (w & 1) + 3 of all 64 tokens):
+// that warp refills it once its last read is done. kpe and the scales are
+// read before the tile's barrier of both warpgroups only (S^T, the maxima of
+// the scales, and each warp's V^T factors, taken then): warp 4 wg + warp
+// refills tokens [8 (4 wg + warp), + 8) of both.
+template <typename Tr>
+__device__ __forceinline__ void sparse_gather_split(const PagedDecodeParams& p, char* stage, uint64_t* bar, int wg,
+                                                    int warp, int lane, const int (&rows)[2]) {
+  const char* ckv = static_cast<const char*>(p.ckv);
+  const char* kpe = static_cast<const char*>(p.kpe);
+  const int box = 2 * wg + (warp >> 1), w8 = 4 * wg + warp;
+  // The kpe and scale tokens 8 w8 .. 8 w8 + 7 are all below 32 (wg 0) or
+  // all above (wg 1): their rows come from one register (a select, not an
+  // indexed array).
+  const int rows_kpe = wg ? rows[1] : rows[0];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const int tok = 8 * j + (lane >> 2), c = 4 * (warp & 1) + (lane & 3);
+    const int row = __shfl_sync(0xffffffffu, rows[j >> 2], tok & 31);
+    const bool live = row >= 0;
+    smxx::cp_async_16(stage + box * Tr::kCkvBoxBytes + tok * 128 + ((c ^ (tok & 7)) << 4),
+                      ckv + int64_t{live ? row : 0} * p.ckv_token_stride + 128 * box + 16 * c, live);
+  }
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    const int tok = 8 * w8 + 4 * j + (lane >> 3), c = lane & 7;
+    const int row = __shfl_sync(0xffffffffu, rows_kpe, tok & 31);
+    const bool live = row >= 0;
+    smxx::cp_async_16(stage + Tr::kRopeOffset + tok * 128 + ((c ^ (tok & 7)) << 4),
+                      kpe + int64_t{live ? row : 0} * p.kpe_token_stride + 16 * c, live);
+  }
+  {
+    // A token's four scales are 16 contiguous bytes of its row.
+    const int tok = 8 * w8 + (lane & 7);
+    const int row = __shfl_sync(0xffffffffu, rows_kpe, tok & 31);
+    if (lane < 8) {
+      const bool live = row >= 0;
+      smxx::cp_async_16(stage + Tr::kScaleOffset + tok * 16,
+                        ckv + int64_t{live ? row : 0} * p.ckv_token_stride + kDsMlaScaleOffset, live);
+    }
   }
   cutlass::arch::cpasync_barrier_arrive_noinc(bar);
 }
@@ -201,10 +263,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   constexpr int kW = Tr::kWarpgroups, kS = Tr::kStages;
   // Arrivals per stage phase: with kN = 16 each of the owner's four warps
   // refills the ckv box it alone reads (warp 0 also the kpe box); with
-  // kN = 32 one warp refills the whole stage.
   // kN = 32 one warp refills the whole stage; sparse: every lane of the
-  // owner's four warps arrives once its cp.async copies have landed.
-  constexpr int kArrivals = kSparse ? 128 : kSplit ? 1 : 4;
+  // owner's four warps (kN = 32: of all eight) arrives once its cp.async
+  // copies have landed.
+  constexpr int kArrivals = kSparse ? 128 * (kSplit ? 2 : 1) : kSplit ? 1 : 4;
   if (tid == 0) {
 #pragma unroll
     for (int i = 0; i < kS; ++i) {
@@ -261,12 +323,20 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     // the kernel's locals, even unused, changes the dense kernels' code).
 #define MLA_SPARSE_ROW(t, tok) sparse_row(p, table, (tile_begin + (t)) * kBlockN + (tok), tok_end)
 #define MLA_SPARSE_ENTRY(t, tok) sparse_entry(table, (tile_begin + (t)) * kBlockN + (tok), tok_end)
-#define MLA_SPARSE_GATHER(t, rows_of)                                                                      \
-  sparse_gather<Tr>(p, shared + Tr::kSmemKv + ((t) % kS) * Tr::kStageBytes, &kv_full[(t) % kS], warp, lane, \
-                    rows_of)
+#define MLA_SPARSE_GATHER(t, rows_of)                                                                            \
+  do {                                                                                                           \
+    if constexpr (kSplit) {                                                                                      \
+      sparse_gather_split<Tr>(p, shared + Tr::kSmemKv + ((t) % kS) * Tr::kStageBytes, &kv_full[(t) % kS], wg,   \
+                              warp, lane, rows_of);                                                              \
+    } else {                                                                                                     \
+      sparse_gather<Tr>(p, shared + Tr::kSmemKv + ((t) % kS) * Tr::kStageBytes, &kv_full[(t) % kS], warp, lane, \
+                        rows_of);                                                                                \
+    }                                                                                                            \
+  } while (0)
     if constexpr (kSparse) {
-      // Each warpgroup fills the stages of its own first tiles.
-      for (int t = wg; t < kS && t < num_tiles; t += kW) {
+      // Each warpgroup fills the stages of its own first tiles (kN = 32:
+      // every warp its share of every stage).
+      for (int t = kSplit ? 0 : wg; t < kS && t < num_tiles; t += kSplit ? 1 : kW) {
         const int rows_of[2] = {MLA_SPARSE_ROW(t, lane), MLA_SPARSE_ROW(t, lane + 32)};
         MLA_SPARSE_GATHER(t, rows_of);
       }
@@ -409,6 +479,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     float r_run = 0.f;  // sparse: see step 2
 
     const int tok_row0 = 16 * warp + g;  // this thread's S^T token rows: tok_row0, tok_row0 + 8
+    // Sparse: the scale group of this warp's O^T features.
+    const int grp = kSplit ? 2 * wg + (warp >> 1) : warp;
     // Every consumer of a stage has waited on each of its earlier phases
     // (kN = 16: the stage's owner; kN = 32: everyone), so a parity wait
     // names tile t's phase alone.
@@ -546,7 +618,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       float gfac = 1.f, inv_r = 0.f;
       if constexpr (kSparse) {
         const float* scl = reinterpret_cast<const float*>(stage + Tr::kScaleOffset);
-        float a = fmaxf(fabsf(scl[4 * lane + warp]), fabsf(scl[4 * (lane + 32) + warp]));
+        float a = fmaxf(fabsf(scl[4 * lane + grp]), fabsf(scl[4 * (lane + 32) + grp]));
 #pragma unroll
         for (int o = 1; o < 32; o *= 2) a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, o));
         // Below the smallest normal float r is taken as 0 (1 / r would be
@@ -556,6 +628,13 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         gfac = normal ? r_run / r_new : 1.f;
         inv_r = normal ? 1.f / r_new : 0.f;
         r_run = r_new;
+      }
+      // Sparse, kN = 32: the V^T factors of step 4 (below) taken now, as
+      // other warps refill the scales once both warpgroups are past step 3.
+      uint32_t sv_tile[kSplit && kSparse ? 4 : 1][2];
+      if constexpr (kSplit && kSparse) {
+#pragma unroll
+        for (int js = 0; js < 4; ++js) sparse_v_factors_of<Tr>(stage, 16 * js + 2 * quad, grp, inv_r, sv_tile[js]);
       }
 
       // 2. Column maxima (masked, scaled).
@@ -642,10 +721,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         // warpgroups'.
         NamedBarrier::sync(2 * 128, kW);
         float co[kCols];
-        rescale = false;
+        rescale = kSparse && gfac != 1.f;  // sparse: O^T is in units of this warp's r_run
 #pragma unroll
         for (int ci = 0; ci < kCols; ++ci) {
-          co[ci] = sRescale[(t & 1) * kN + col_of(ci)];
+          co[ci] = sRescale[(t & 1) * kN + col_of(ci)] * gfac;
           rescale |= co[ci] != 1.f;
         }
         if (__any_sync(0xffffffffu, rescale)) {
@@ -739,13 +818,11 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         mma.accumulate_ = GMMA::ScaleOut::One;
 #pragma unroll
         for (int js = 0; js < 4; ++js) {
-          if constexpr (kSparse) {
-            const float* scl = reinterpret_cast<const float*>(stage + Tr::kScaleOffset);
-            const int a = 16 * js + 2 * quad;
-            const __half2 lo = __floats2half2_rn(scl[4 * a + warp] * inv_r, scl[4 * (a + 1) + warp] * inv_r);
-            const __half2 hi = __floats2half2_rn(scl[4 * (a + 8) + warp] * inv_r, scl[4 * (a + 9) + warp] * inv_r);
-            sv[0] = *reinterpret_cast<const uint32_t*>(&lo);
-            sv[1] = *reinterpret_cast<const uint32_t*>(&hi);
+          if constexpr (kSparse && kSplit) {
+            sv[0] = sv_tile[js][0];
+            sv[1] = sv_tile[js][1];
+          } else if constexpr (kSparse) {
+            sparse_v_factors_of<Tr>(stage, 16 * js + 2 * quad, grp, inv_r, sv);
           }
 #pragma unroll
           for (int q = 0; q < kVWords; ++q) {
@@ -755,6 +832,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             if (q == kVWords - 1 && js < 3) load_v(js + 1, raw, tail);
             // kN = 16: this warp has read its box for the last time (the
             // S^T wgmmas, which read every box, are done): step 5 for it.
+            // Sparse kN = 32: the same for its ckv chunks, and both
+            // warpgroups are past step 3 (their reads of kpe and scales).
             if constexpr (kSparse) {
               if (q == kVWords - 1 && js == 3) {
                 __syncwarp();
@@ -785,9 +864,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         pv(std::false_type{});
       }
       // 5. The stage is free once its readers are done with it: tile t + kS
-      // (kN = 16: each warp refills its box in step 4; kN = 32: once all
-      // eight warps are done).
-      if constexpr (kSplit) {
+      // (kN = 16 and sparse: each warp refills its share in step 4; dense
+      // kN = 32: once all eight warps are done).
+      if constexpr (kSplit && !kSparse) {
         // The eighth warp to finish the tile refills its stage. The counter
         // only grows (by 8 per tile), so it needs no reset.
         __syncwarp();
@@ -880,7 +959,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         float total = 0.f;
 #pragma unroll
         for (int k = 0; k < 4; ++k) total += sRed[(owner * 4 + k) * kN + col];
-        write_column(ci, finish_column(ci, sMax[owner * kN + col], total));
+        // Sparse: O^T is in units of this warp's r_run.
+        write_column(ci, finish_column(ci, sMax[owner * kN + col], total) * (kSparse ? r_run : 1.f));
       }
     } else {
       // Warpgroups 1.. hand their O^T, scaled to the common max, to

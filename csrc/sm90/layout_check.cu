@@ -448,6 +448,8 @@ int main() {
   bad += check_swapab<mla_jax::sm90::SwapAbTraits<__half, 32>>("swapab32 fp16");
   bad += check_swapab<mla_jax::sm90::SwapAbTraits<__nv_bfloat16, 16, mla_jax::sm90::kSwapAbWarpgroups,
                                                   mla_jax::sm90::kSwapAbStages, true>>("swapab16 sparse");
+  bad += check_swapab<mla_jax::sm90::SwapAbTraits<__nv_bfloat16, 32, mla_jax::sm90::kSwapAbWarpgroups,
+                                                  mla_jax::sm90::kSwapAbStages, true>>("swapab32 sparse");
   bad += check_seesaw_convert<mla_jax::sm90::DecodeTraits<__nv_bfloat16, mla_jax::sm90::KvLoad::kFp8>>("seesaw e4m3");
   bad += check_seesaw_convert<mla_jax::sm90::DecodeTraits<__half, mla_jax::sm90::KvLoad::kFp8>>("seesaw e4m3 fp16");
   bad += check_seesaw_ds<mla_jax::sm90::DecodeTraits<__nv_bfloat16, mla_jax::sm90::KvLoad::kDsMla>>("seesaw fp8_ds_mla");

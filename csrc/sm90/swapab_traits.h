@@ -108,7 +108,7 @@ constexpr int kSwapAbStages = 4;
 
 // kSparse_: DeepSeek V3.2 sparse decode over fp8_ds_mla rows (656 bytes:
 // 512 e4m3 ckv values, four float32 scales, one per 128 values, 64 bf16 kpe
-// values) gathered by top-k index, bf16 query, 16 rows (see below).
+// values) gathered by top-k index, bf16 query, 16 or 32 rows (see below).
 // The kpe part of S^T: its K-major layout for `kRows` rows (64 values each)
 // and its wgmma: e4m3 like the ckv part (dense FP8 cache), or bf16
 // (fp8_ds_mla, sparse).
@@ -141,17 +141,19 @@ struct SwapAbTraits {
   using ElemR = std::conditional_t<kSparse_, cute::bfloat16_t, cute::float_e4m3_t>;
   static constexpr int kN = kRows_;  // query rows per CTA (O^T wgmma N)
   static_assert(kN == 16 || kN == 32);
-  // Sparse fp8_ds_mla: the rows are gathered by index with cp.async (each
-  // warp its own ckv box, its group's scale and two 16-byte chunks of kpe
-  // of all 64 tokens); S^T sums each 128-value group (two
+  // Sparse fp8_ds_mla: the rows are gathered by index with cp.async (kN =
+  // 16: each warp its own ckv box, its group's scale and two 16-byte chunks
+  // of kpe of all 64 tokens; kN = 32: decode_swapab.cuh, sparse_gather_split); S^T sums each 128-value group (two
   // chains of two k-steps) times the token's scale of that group, plus the
   // kpe part as a bf16 product (the query's kpe part in bf16); O^T takes
   // V^T converted to fp16 times the token's scale over the warp's running
-  // maximum of that scale (a warp's O^T features lie in one group: warp w
-  // holds features 128 w ..). 16 query rows (kN = 32 would need the P^T
-  // of each group apart), bf16 query (the kpe product is bf16).
+  // maximum of that scale (a warp's O^T features lie in one group: at
+  // kN = 16 warp w holds features 128 w .., at kN = 32 warp w of warpgroup
+  // v features 256 v + 64 w .., group 2 v + w / 2). bf16 query (the kpe
+  // product is bf16). At kN = 32 every warp of both warpgroups gathers a
+  // share of each tile (decode_swapab.cuh, sparse_gather_split).
   static constexpr bool kSparse = kSparse_;
-  static_assert(!kSparse || (kN == 16 && std::is_same_v<QType, __nv_bfloat16>));
+  static_assert(!kSparse || std::is_same_v<QType, __nv_bfloat16>);
   // e4m3 parts per query row: a bf16 value (8 significant bits) is the sum
   // of two, an fp16 one (11) of three.
   static constexpr int kQTerms = std::is_same_v<QType, __half> ? 3 : 2;

@@ -137,7 +137,7 @@ T pick(std::mt19937_64& rng, std::initializer_list<T> xs) {
 // kernel: the kernel requested; the shape is drawn among those it serves
 // (sm90_seesaw: paged bf16/fp16 or e4m3 caches with page_size a multiple of 64,
 // or sparse fp8_ds_mla with a bf16 query; sm90_swapab: paged e4m3 caches with page_size a multiple of 64 and at
-// most 32 query rows, or sparse fp8_ds_mla with a bf16 query and at most 16
+// most 32 query rows, or sparse fp8_ds_mla with a bf16 query and at most 32
 // heads; sm90_lockstep: any number of query rows per request).
 Case draw_case(std::mt19937_64& rng, const std::string& kernel) {
   Case c;
@@ -153,7 +153,7 @@ Case draw_case(std::mt19937_64& rng, const std::string& kernel) {
     c.cache = !swapab && !seesaw && rng() % 3 == 0 ? Case::kNative : Case::kDsMla;
     if (swapab) {
       c.q_type = ElemType::kBF16;
-      c.heads = pick(rng, {1, 3, 8, 12, 16});
+      c.heads = pick(rng, {1, 3, 8, 12, 16, 17, 24, 32});
     }
     if (seesaw) c.q_type = ElemType::kBF16;
     c.batch = 1 + rng() % 4;
