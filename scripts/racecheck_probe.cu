@@ -22,6 +22,14 @@
 // Reports located on staging_exchange's lines in the first (its hand-off
 // lines draw reports anyway) and none in the second mean that racecheck
 // misorders block barriers after a bar.arrive hand-off.
+//
+// The swap-AB kernel (csrc/sm90/decode_swapab.cuh) has no bar.arrive, yet
+// its 16-row epilogue draws reports too: each warpgroup exchanges row maxima
+// inside its own 128 threads (bar.sync on the warpgroup's barrier id) in the
+// tile loop, and after the loop both warpgroups exchange their sums through
+// the same words, ordered by __syncthreads, once per work item.
+// warpgroup_sync_then_staging does the same; reports on its epilogue lines
+// mean racecheck misorders block barriers after warpgroup-local bar.sync.
 #include <cstdio>
 
 namespace {
@@ -88,18 +96,47 @@ __global__ void __launch_bounds__(256) staging_only(int* out) {
   staging_exchange(stage, out);
 }
 
+// Per item: a tile loop in which each warpgroup's four warps exchange values
+// in the warpgroup's half of `red` (bar.sync on its own id, 128 threads),
+// then an epilogue in which warp leaders write their word of `red`, the block
+// synchronises, every thread reads a word of the other warpgroup, and the
+// block synchronises before the next item, as the swap-AB kernel does.
+__global__ void __launch_bounds__(256) warpgroup_sync_then_staging(int* out) {
+  __shared__ float red[2 * 4 * 16];
+  const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
+  for (int item = 0; item < 8; ++item) {
+    __syncthreads();  // the previous item is done with `red`
+    float* mine = red + wg * 64;
+    for (int tile = 0; tile < 16; ++tile) {
+      const float v = static_cast<float>(item * 1000 + tile * 10 + warp);
+      if (lane < 16) mine[warp * 16 + lane] = v;
+      bar_sync(1 + wg, 128);
+      const float other = mine[((warp + 1) % 4) * 16 + lane % 16];
+      if (other != static_cast<float>(item * 1000 + tile * 10 + (warp + 1) % 4)) atomicAdd(out, 1);
+      bar_sync(1 + wg, 128);  // every warp read before the next tile's writes
+    }
+    if (lane < 16) red[(wg * 4 + warp) * 16 + lane] = static_cast<float>(item * 100 + wg * 10 + warp);
+    __syncthreads();
+    const int owg = 1 - wg, ow = (warp + lane) % 4;
+    if (red[(owg * 4 + ow) * 16 + lane % 16] != static_cast<float>(item * 100 + owg * 10 + ow)) atomicAdd(out, 1);
+    __syncthreads();
+  }
+}
+
 }  // namespace
 
 int main() {
-  constexpr int kKernels = 3;  // a wrong-value counter each
-  const char* const names[kKernels] = {"handoff", "handoff_then_staging", "staging_only"};
+  constexpr int kKernels = 4;  // a wrong-value counter each
+  const char* const names[kKernels] = {"handoff", "handoff_then_staging", "staging_only",
+                                       "warpgroup_sync_then_staging"};
   int* d_out = nullptr;
   if (cudaMalloc(&d_out, kKernels * sizeof(int)) != cudaSuccess) return 2;
   cudaMemset(d_out, 0, kKernels * sizeof(int));
   handoff<<<4, 256>>>(d_out);
   handoff_then_staging<<<4, 256>>>(d_out + 1);
   staging_only<<<4, 256>>>(d_out + 2);
-  int wrong[kKernels] = {-1, -1, -1};
+  warpgroup_sync_then_staging<<<4, 256>>>(d_out + 3);
+  int wrong[kKernels] = {-1, -1, -1, -1};
   const cudaError_t err = cudaMemcpy(wrong, d_out, sizeof(wrong), cudaMemcpyDeviceToHost);
   cudaFree(d_out);
   if (err != cudaSuccess) {
