@@ -143,15 +143,15 @@ struct SwapAbTraits {
   static_assert(kN == 16 || kN == 32);
   // Sparse fp8_ds_mla: the rows are gathered by index with cp.async (kN =
   // 16: each warp its own ckv box, its group's scale and two 16-byte chunks
-  // of kpe of all 64 tokens; kN = 32: decode_swapab.cuh, sparse_gather_split); S^T sums each 128-value group (two
-  // chains of two k-steps) times the token's scale of that group, plus the
-  // kpe part as a bf16 product (the query's kpe part in bf16); O^T takes
-  // V^T converted to fp16 times the token's scale over the warp's running
-  // maximum of that scale (a warp's O^T features lie in one group: at
-  // kN = 16 warp w holds features 128 w .., at kN = 32 warp w of warpgroup
-  // v features 256 v + 64 w .., group 2 v + w / 2). bf16 query (the kpe
-  // product is bf16). At kN = 32 every warp of both warpgroups gathers a
-  // share of each tile (decode_swapab.cuh, sparse_gather_split).
+  // of kpe of all 64 tokens; kN = 32: every warp of both warpgroups a share
+  // of each tile, decode_swapab.cuh sparse_gather_split); S^T sums each
+  // 128-value group (two chains of two k-steps) times the token's scale of
+  // that group, plus the kpe part as a bf16 product (the query's kpe part in
+  // bf16); O^T takes V^T converted to fp16 times the token's scale over the
+  // warp's running maximum of that scale (a warp's O^T features lie in one
+  // group: at kN = 16 warp w holds features 128 w .., at kN = 32 warp w of
+  // warpgroup v features 256 v + 64 w .., group 2 v + w / 2). bf16 query
+  // (the kpe product is bf16).
   static constexpr bool kSparse = kSparse_;
   static_assert(!kSparse || std::is_same_v<QType, __nv_bfloat16>);
   // e4m3 parts per query row: a bf16 value (8 significant bits) is the sum
