@@ -28,6 +28,7 @@ def main(argv=None):
   p.add_argument("--page-size", type=int, default=64)
   p.add_argument("--calls", type=int, default=6)
   p.add_argument("--impl", choices=("mla_jax", "flashmla"), default="mla_jax")
+  p.add_argument("--kernel", default="auto", help="mla_jax: the plan's kernel (e.g. sm90_seesaw), for A/B profiles")
   p.add_argument("--cache", choices=("bf16", "fp8", "fp8_ds_mla"), default="bf16")
   p.add_argument("--tokens-per-request", type=int, default=0,
                  help="fp8_ds_mla: each request selects among its own N tokens (as bench_sparse_decode.py's "
@@ -58,7 +59,7 @@ def main(argv=None):
   block_table = jnp.asarray(np.arange(num_pages, dtype=np.int32).reshape(a.b, pages_per_seq))
   seq_lens = jnp.full((a.b,), a.seq, jnp.int32)
   plan = mla_jax.DecodePlan(num_heads=a.h, page_size=a.page_size, sm_scale=576 ** -0.5,
-                            q_len=a.q_len, causal=a.q_len > 1)
+                            q_len=a.q_len, causal=a.q_len > 1, kernel=a.kernel)
   fn = jax.jit(lambda q, c, bt, sl, s: mla_jax.paged_decode(q, c, bt, sl, plan=plan, kv_scale=s))
   time_calls("mla_jax", a, lambda: fn(query, cache, block_table, seq_lens, kv_scale).block_until_ready())
 
@@ -97,7 +98,7 @@ def run_sparse(a):
 
     return time_calls("FlashMLA sparse", a, call)
   plan = mla_jax.SparseDecodePlan(num_heads=a.h, page_size=a.page_size, sm_scale=576 ** -0.5, topk=a.seq,
-                                  q_len=a.q_len, kv_format="fp8_ds_mla")
+                                  q_len=a.q_len, kv_format="fp8_ds_mla", kernel=a.kernel)
   fn = jax.jit(lambda q, c, i: mla_jax.sparse_decode(q, c, i, plan=plan))
   time_calls("mla_jax sparse", a, lambda: fn(query, cache, indices).block_until_ready())
 
