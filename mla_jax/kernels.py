@@ -50,7 +50,7 @@ class KernelChoice:
       blocks of 64), "sm90_seesaw" (Hopper ``wgmma`` with TMA
       loads; paged decode with ``page_size`` a multiple of 64, a cache in the
       query's dtype or ``float8_e4m3fn``; and, rows gathered by index, sparse
-      decode over ``fp8_ds_mla`` with a bf16 query, auto-selected above 16
+      decode over ``fp8_ds_mla`` with a bf16 query, auto-selected above 32
       heads from top-k 1024) or
       "sm90_swapab" (Hopper ``wgmma`` with the tokens as M: a
       ``float8_e4m3fn`` cache, ``page_size`` a multiple of 64, at most 32

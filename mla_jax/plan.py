@@ -136,8 +136,12 @@ class SparseDecodePlan:
     backend: "auto" (cuda on a GPU, cpu otherwise), "cuda", "cpu", or "xla"
       (the pure-JAX reference formulation).
     kernel: which CUDA kernels serve the call, as for
-      :class:`DecodePlan` (sparse calls run "portable" or, with more than
-      32 heads on sm_90, "sm90_lockstep").
+      :class:`DecodePlan`. On sm_90 "auto" picks, for fp8_ds_mla rows with
+      a bf16 query, "sm90_swapab" up to 32 heads and above that
+      "sm90_seesaw" from top-k 1024, else "sm90_lockstep"; with an fp16
+      query "sm90_lockstep" above 16 heads; a "bf16" cache
+      "sm90_lockstep" above 32 heads; "portable" otherwise
+      (:func:`mla_jax.explain` says which and why).
 
   The latent widths are fixed by the fp8_ds_mla layout: ``kv_lora_rank`` is
   512 and ``qk_rope_head_dim`` 64 (read-only properties).
