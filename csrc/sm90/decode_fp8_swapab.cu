@@ -28,8 +28,9 @@ cudaError_t launch_swapab(const PagedDecodeParams& p, const DecodeWorkspace& ws,
   s.schedule_in_decode = false;
   err = smxx::run_scheduler(p, ws, s, stream);
   if (err != cudaSuccess) return err;
-  decode_swapab_kernel<Tr><<<dim3(1, s.num_parts), Tr::kThreads, Tr::kSmemAlloc, stream>>>(p, ws, tma);
-  return cudaGetLastError();
+  // The decode is the scheduler's programmatic dependent (csrc/smxx/pdl.cuh).
+  return launch_kernel(decode_swapab_kernel<Tr>, dim3(1, s.num_parts), Tr::kThreads, Tr::kSmemAlloc, stream,
+                       /*programmatic=*/true, p, ws, tma);
 }
 
 }  // namespace

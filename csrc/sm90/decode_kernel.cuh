@@ -104,7 +104,6 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   const int m0 = blockIdx.x * kBlockM;
   const SoftmaxScale softmax = softmax_scale(p);
   const float kv_scale = softmax.kv_scale, scale_log2 = softmax.scale_log2;
-  const int item_begin = ws.part_begin[part], item_end = ws.part_begin[part + 1];
   const char* ckv = static_cast<const char*>(p.ckv);
   const char* kpe = static_cast<const char*>(p.kpe);
   const bool sparse = p.indices != nullptr;
@@ -114,6 +113,11 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     cutlass::arch::fence_barrier_init();
   }
   __syncthreads();
+  // Launched as a programmatic dependent of the scheduler kernel (when it
+  // runs), this CTA may start before the schedule is written: wait for it
+  // here, after the set-up that does not read it (csrc/smxx/pdl.cuh).
+  pdl_wait_for_previous();
+  const int item_begin = ws.part_begin[part], item_end = ws.part_begin[part + 1];
   // Parity of the next completion of each stage's barrier (bit = stage);
   // every thread waits for every TMA tile once, in order.
   uint32_t full_phase = 0;

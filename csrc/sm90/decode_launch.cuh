@@ -58,8 +58,14 @@ cudaError_t launch_decode(const PagedDecodeParams& p, const DecodeWorkspace& ws,
     if (err != cudaSuccess) return err;
   }
   if (!seesaw) {
-    decode_kernel<Tr><<<grid, Tr::kThreads, Tr::kSmemAlloc, stream>>>(p, ws, tma);
-  } else if constexpr (kSeesaw) {
+    // The lock-step kernel always follows the scheduler kernel, as its
+    // programmatic dependent (csrc/smxx/pdl.cuh).
+    return launch_kernel(decode_kernel<Tr>, grid, Tr::kThreads, Tr::kSmemAlloc, stream, /*programmatic=*/true, p, ws,
+                         tma);
+  }
+  // The seesaw kernel is launched plainly, also after the scheduler kernel
+  // (a forced schedule): chained there, it measured slower (docs/perf.md).
+  if constexpr (kSeesaw) {
     if (s.schedule_in_decode) {
       decode_seesaw_kernel<Tr, true><<<grid, Tr::kThreads, Tr::kSmemAlloc, stream>>>(p, ws, s, tma);
     } else {

@@ -1,13 +1,23 @@
-// Programmatic dependent launch (sm_90 and later) from the decode kernel to
-// the combine kernel that always follows it. The combine is launched with
-// programmatic stream serialisation, so its CTAs may be dispatched once
-// every decode CTA has called pdl_allow_dependents() (the portable and
-// lock-step kernels at their start, the seesaw kernel when a CTA starts its
-// last item) or exited; its first statement, pdl_wait_for_previous(),
-// returns only when the decode grid has completed and its writes are
-// visible. So only the launch latency and the CTA dispatch overlap the
-// decode, never data. Whether a call uses it is part of the kernel
-// configuration (csrc/dispatch/select.cc).
+// Programmatic dependent launch (sm_90 and later), twice in a call:
+// * scheduler kernel -> decode kernel: the portable, lock-step and swap-AB
+//   kernels, which always follow the scheduler kernel, are launched with
+//   programmatic stream serialisation; the scheduler calls
+//   pdl_allow_dependents() first thing, so their CTAs are dispatched and do
+//   their set-up while the schedule is computed, and each calls
+//   pdl_wait_for_previous() before it reads the schedule. (The seesaw
+//   kernel, after the scheduler kernel only when a plan forces that
+//   schedule, is launched plainly: chained, it measured slower.)
+// * decode kernel -> combine kernel: the combine's CTAs may be dispatched
+//   once every decode CTA has called pdl_allow_dependents() (the portable,
+//   lock-step and swap-AB kernels at their start, the seesaw kernel when a
+//   CTA starts its last item) or exited; its first statement,
+//   pdl_wait_for_previous(), returns only when the decode grid has completed
+//   and its writes are visible.
+// So only launch latency, CTA dispatch and set-up overlap the kernel before,
+// never data. A dependent reads nothing its primary writes before the wait;
+// what kernels before the primary wrote is visible to it, since the primary
+// itself started only after they completed. Whether the combine uses it is
+// part of the kernel configuration (csrc/dispatch/select.cc).
 #pragma once
 
 #include <cuda_runtime.h>

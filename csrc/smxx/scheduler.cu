@@ -4,6 +4,7 @@
 // (shared with the Hopper kernel that schedules inside its CTAs) and its
 // arithmetic in schedule_math.cuh.
 #include "csrc/smxx/api.h"
+#include "csrc/smxx/pdl.cuh"
 #include "csrc/smxx/schedule_block.cuh"
 
 namespace mla_jax {
@@ -12,6 +13,11 @@ namespace {
 
 __global__ void __launch_bounds__(kScheduleThreads)
     schedule_kernel(PagedDecodeParams p, DecodeWorkspace ws, SplitSchedule schedule) {
+  // A decode kernel launched after this one as its programmatic dependent
+  // may be dispatched now (CTA dispatch and its set-up overlap the
+  // schedule); it waits for this grid to complete before reading the
+  // schedule (csrc/smxx/pdl.cuh).
+  pdl_allow_dependents();
   __shared__ BlockScheduleSmem smem;
   schedule_block(p, ws, schedule, smem, /*only_part=*/-1, /*part_items=*/nullptr, /*write_meta=*/true);
 }
