@@ -30,6 +30,13 @@
 // the same words, ordered by __syncthreads, once per work item.
 // warpgroup_sync_then_staging does the same; reports on its epilogue lines
 // mean racecheck misorders block barriers after warpgroup-local bar.sync.
+// bulk_copy_then_staging instead fills each warp's slot of every tile with
+// an asynchronous bulk copy completing an mbarrier's transaction count, each
+// warp reading and refilling only its own slot, as the swap-AB kernel's
+// dense 16-row form does with its TMA boxes, and then runs the same
+// epilogue exchange: reports on its epilogue lines point at the async-proxy
+// fills and mbarrier waits.
+#include <cstdint>
 #include <cstdio>
 
 namespace {
@@ -123,12 +130,71 @@ __global__ void __launch_bounds__(256) warpgroup_sync_then_staging(int* out) {
   }
 }
 
+constexpr int kBulkTiles = 16;
+constexpr int kSlotFloats = 128;  // one warp's 512-byte slot
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// Per item: kBulkTiles tiles, each warp's lane 0 announcing its slot's bytes
+// on the tile's mbarrier and copying them from global memory with
+// cp.async.bulk; every thread waits for the phase and checks its warp's
+// slot; then the __syncthreads-ordered exchange of the other kernels.
+__global__ void __launch_bounds__(256) bulk_copy_then_staging(const float* src, int* out) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  __shared__ alignas(128) float slot[8 * kSlotFloats];
+  __shared__ float red[2 * 4 * 16];
+  __shared__ alignas(8) uint64_t full;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, wg = warp / 4;
+  if (threadIdx.x == 0) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 8;" ::"r"(smem_addr(&full)));
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  uint32_t phase = 0;
+  for (int item = 0; item < 4; ++item) {
+    __syncthreads();  // the previous item is done with `red`
+    for (int tile = 0; tile < kBulkTiles; ++tile) {
+      __syncwarp();  // this warp's reads of its slot are done
+      if (lane == 0) {
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // generic reads before the async refill
+        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(&full)),
+                     "r"(kSlotFloats * 4) : "memory");
+        const float* from = src + (static_cast<size_t>(item * kBulkTiles + tile) * 8 + warp) * kSlotFloats;
+        asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                     ::"r"(smem_addr(slot + warp * kSlotFloats)), "l"(from), "r"(kSlotFloats * 4),
+                     "r"(smem_addr(&full)) : "memory");
+      }
+      uint32_t done = 0;
+      while (!done) {
+        asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+                     : "=r"(done) : "r"(smem_addr(&full)), "r"(phase) : "memory");
+      }
+      phase ^= 1;
+      const int i = (lane + 5) % 32;  // another lane's value of this warp's slot
+      const float want = static_cast<float>(((item * kBulkTiles + tile) * 8 + warp) * kSlotFloats + i);
+      if (slot[warp * kSlotFloats + i] != want) atomicAdd(out, 1);
+    }
+    if (lane < 16) red[warp * 16 + lane] = static_cast<float>(item * 100 + warp);
+    __syncthreads();
+    const int ow = (1 - wg) * 4 + (warp + lane) % 4;
+    if (red[ow * 16 + lane % 16] != static_cast<float>(item * 100 + ow)) atomicAdd(out, 1);
+    __syncthreads();
+  }
+#endif
+}
+
+__global__ void fill_iota(float* p, int n) {
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) p[i] = static_cast<float>(i);
+}
+
 }  // namespace
 
 int main() {
-  constexpr int kKernels = 4;  // a wrong-value counter each
+  constexpr int kKernels = 5;  // a wrong-value counter each
   const char* const names[kKernels] = {"handoff", "handoff_then_staging", "staging_only",
-                                       "warpgroup_sync_then_staging"};
+                                       "warpgroup_sync_then_staging", "bulk_copy_then_staging"};
   int* d_out = nullptr;
   if (cudaMalloc(&d_out, kKernels * sizeof(int)) != cudaSuccess) return 2;
   cudaMemset(d_out, 0, kKernels * sizeof(int));
@@ -136,9 +202,15 @@ int main() {
   handoff_then_staging<<<4, 256>>>(d_out + 1);
   staging_only<<<4, 256>>>(d_out + 2);
   warpgroup_sync_then_staging<<<4, 256>>>(d_out + 3);
-  int wrong[kKernels] = {-1, -1, -1, -1};
+  constexpr int kSrcFloats = 4 * kBulkTiles * 8 * kSlotFloats;  // exact in float: below 2^24
+  float* d_src = nullptr;
+  if (cudaMalloc(&d_src, kSrcFloats * sizeof(float)) != cudaSuccess) return 2;
+  fill_iota<<<64, 256>>>(d_src, kSrcFloats);
+  bulk_copy_then_staging<<<4, 256>>>(d_src, d_out + 4);
+  int wrong[kKernels] = {-1, -1, -1, -1, -1};
   const cudaError_t err = cudaMemcpy(wrong, d_out, sizeof(wrong), cudaMemcpyDeviceToHost);
   cudaFree(d_out);
+  cudaFree(d_src);
   if (err != cudaSuccess) {
     std::printf("CUDA error: %s\n", cudaGetErrorString(err));
     return 2;
