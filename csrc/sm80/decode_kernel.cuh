@@ -140,9 +140,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   const int rows = p.rows_per_request();
   const float kv_scale = p.kv_scale ? *p.kv_scale : 1.0f;
   const float scale_log2 = p.sm_scale * kv_scale * kLog2e;
-  // Launched as a programmatic dependent of the scheduler kernel (when it
-  // runs), this CTA may start before the schedule is written: wait for it
-  // here, after the set-up that does not read it (csrc/smxx/pdl.cuh).
+  // Launched as a programmatic dependent of the scheduler kernel, which
+  // always runs before this kernel, this CTA may start before the schedule
+  // is written: wait for it here, after the set-up that does not read it
+  // (csrc/smxx/pdl.cuh).
   pdl_wait_for_previous();
   const int item_begin = ws.part_begin[part], item_end = ws.part_begin[part + 1];
   const T* kv_tile = reinterpret_cast<const T*>(Tr::kFp8Kv ? smem + Tr::kSmemConverted : sKvStage);

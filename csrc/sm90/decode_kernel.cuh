@@ -113,9 +113,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     cutlass::arch::fence_barrier_init();
   }
   __syncthreads();
-  // Launched as a programmatic dependent of the scheduler kernel (when it
-  // runs), this CTA may start before the schedule is written: wait for it
-  // here, after the set-up that does not read it (csrc/smxx/pdl.cuh).
+  // Launched as a programmatic dependent of the scheduler kernel, which
+  // always runs before this kernel, this CTA may start before the schedule
+  // is written: wait for it here, after the set-up that does not read it
+  // (csrc/smxx/pdl.cuh).
   pdl_wait_for_previous();
   const int item_begin = ws.part_begin[part], item_end = ws.part_begin[part + 1];
   // Parity of the next completion of each stage's barrier (bit = stage);

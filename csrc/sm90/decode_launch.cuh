@@ -64,7 +64,8 @@ cudaError_t launch_decode(const PagedDecodeParams& p, const DecodeWorkspace& ws,
                          tma);
   }
   // The seesaw kernel is launched plainly, also after the scheduler kernel
-  // (a forced schedule): chained there, it measured slower (docs/perf.md).
+  // (a forced schedule): an earlier chain through it measured slower
+  // (docs/perf.md, What was tried).
   if constexpr (kSeesaw) {
     if (s.schedule_in_decode) {
       decode_seesaw_kernel<Tr, true><<<grid, Tr::kThreads, Tr::kSmemAlloc, stream>>>(p, ws, s, tma);

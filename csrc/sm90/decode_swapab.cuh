@@ -280,9 +280,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   // current item (the same in every thread).
   uint32_t stage_parity = 0;
 
-  // Launched as a programmatic dependent of the scheduler kernel (when it
-  // runs), this CTA may start before the schedule is written: wait for it
-  // here, after the set-up that does not read it (csrc/smxx/pdl.cuh).
+  // Launched as a programmatic dependent of the scheduler kernel, which
+  // always runs before this kernel, this CTA may start before the schedule
+  // is written: wait for it here, after the set-up that does not read it
+  // (csrc/smxx/pdl.cuh).
   pdl_wait_for_previous();
   const int item_begin = ws.part_begin[part], item_end = ws.part_begin[part + 1];
   for (int item = item_begin; item < item_end; ++item) {

@@ -6,7 +6,8 @@
 //   their set-up while the schedule is computed, and each calls
 //   pdl_wait_for_previous() before it reads the schedule. (The seesaw
 //   kernel, after the scheduler kernel only when a plan forces that
-//   schedule, is launched plainly: chained, it measured slower.)
+//   schedule, is launched plainly: an earlier chain through it measured
+//   slower, docs/perf.md.)
 // * decode kernel -> combine kernel: the combine's CTAs may be dispatched
 //   once every decode CTA has called pdl_allow_dependents() (the portable,
 //   lock-step and swap-AB kernels at their start, the seesaw kernel when a
@@ -46,7 +47,9 @@ __device__ __forceinline__ void pdl_allow_dependents() {
 // sm_90 or later. Invariant: a kernel whose code lacks griddepcontrol (a
 // build without 90a/100a code runs PTX JIT-compiled for an older target,
 // where pdl_wait_for_previous() is compiled out) is never launched with the
-// attribute, which would let it race the kernel before it.
+// attribute, which would let it race the kernel before it. (The Hopper
+// kernels' sm_100a images have empty bodies and a PTX version >= 90; they
+// are never launched: kernel selection keeps them to sm_90 devices.)
 template <typename... Params, typename... Args>
 cudaError_t launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
                           bool programmatic, Args&&... args) {
