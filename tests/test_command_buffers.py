@@ -85,19 +85,22 @@ def trajectory():
   return inputs, states
 
 
-def _child(out_path, programmatic_combine=""):
+def _child(out_path, choice=""):
   """Runs both loops under the XLA_FLAGS of this process; saves the results.
 
-  programmatic_combine: "on" or "off" forces the combine's launch
-  (KernelChoice.programmatic_combine); empty: the plan's default."""
+  choice: "on" or "off" forces the combine's launch
+  (KernelChoice.programmatic_combine); a kernel name ("portable",
+  "sm90_lockstep") forces that decode kernel; empty: the plan's default."""
   import jax
   import jax.numpy as jnp
 
   import mla_jax
   from mla_jax import _ffi
 
-  kernel = (mla_jax.KernelChoice(programmatic_combine=programmatic_combine == "on")
-            if programmatic_combine else "auto")
+  if choice in ("on", "off"):
+    kernel = mla_jax.KernelChoice(programmatic_combine=choice == "on")
+  else:
+    kernel = choice or "auto"
   plan = mla_jax.DecodePlan(num_heads=H, page_size=PAGE, sm_scale=SM_SCALE, backend="auto", kernel=kernel)
   inputs, _ = trajectory()
   bf = lambda x: jnp.asarray(x, jnp.bfloat16)
@@ -195,7 +198,7 @@ def _command_buffer_evidence(dump_dir, loop):
   return hits
 
 
-def _run_mode(mode, tmp_path, programmatic_combine=""):
+def _run_mode(mode, tmp_path, choice=""):
   dump = tmp_path / f"dump_{mode}"
   env = dict(os.environ)
   env["XLA_FLAGS"] = " ".join(filter(None, [
@@ -203,7 +206,7 @@ def _run_mode(mode, tmp_path, programmatic_combine=""):
       "--xla_dump_hlo_module_re=.*(scan|fori)_loop.*"]))
   env.pop("JAX_PLATFORMS", None)
   out_path = tmp_path / f"{mode}.npz"
-  proc = subprocess.run([sys.executable, __file__, str(out_path), programmatic_combine], env=env,
+  proc = subprocess.run([sys.executable, __file__, str(out_path), choice], env=env,
                         capture_output=True, text=True, timeout=900)
   assert proc.returncode == 0, f"mode {mode}: child failed\n{proc.stdout}\n{proc.stderr[-4000:]}"
   res = dict(np.load(out_path))
@@ -286,6 +289,24 @@ def test_decode_loop_in_command_buffers_with_programmatic_combine(reference, tmp
   _check_run("on", info, res, reference)
   for key in plain:
     np.testing.assert_array_equal(res[key], plain[key], err_msg=key)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", ["portable", "sm90_lockstep"])
+def test_decode_loop_in_command_buffers_after_the_scheduler_kernel(kernel, reference, tmp_path):
+  # These kernels follow the scheduler kernel as its programmatic dependents
+  # (csrc/smxx/pdl.cuh): in the CUDA graph that is a programmatic edge. The
+  # lengths grow every step, and at step 2 a request gains a 64-token
+  # block, which changes the split schedule: a decode that read the
+  # schedule before the scheduler wrote it would see the previous step's
+  # items there.
+  import mla_jax
+  device = mla_jax.kernels.visible_cuda_device()
+  if kernel.startswith("sm90") and not (device is not None and device.arch // 10 == 9
+                                        and mla_jax._ffi.ext().has_sm90a()):
+    pytest.skip(f"{kernel} needs an sm_90 GPU and a build with sm_90a code")
+  info, res = _run_mode("on", tmp_path, kernel)
+  _check_run("on", info, res, reference)
 
 
 if __name__ == "__main__":
