@@ -15,9 +15,12 @@
 # files run at once, one pytest each, test_cuda_kernel.py as 1 + CK_SHARDS
 # parts (default 3), sharing the GPU; default 1: one pytest over tests/, as CI
 # runs it), SKIP_BUILD=1 (test the installed build, e.g. on
-# a machine still warm from an earlier call), TEST_FILES (with PYTEST_JOBS
-# above 1: the test files to run, by name, e.g. "test_fp8 test_sparse_decode";
-# default all), so that a suite longer than one call can be split over two.
+# a machine still warm from an earlier call), TEST_FILES (the test files to
+# run, by name, e.g. "test_fp8 test_sparse_decode"; default all), so that a
+# suite longer than one call can be split over two. Parallel parts share the
+# machine's CPUs (each process compiles its own XLA programs) and the GPU:
+# on a 16-core machine 6 parts progressed far slower than one sequential
+# pytest, so prefer PYTEST_JOBS=1 with TEST_FILES split over warm calls.
 # Stopped by a signal (a time limit), it still writes what the finished and
 # running parts logged to pytest.log, and their last lines. After a build by
 # this script, the long randomized run on the GPU alone is
@@ -69,8 +72,16 @@ rc=0
 export XLA_PYTHON_CLIENT_PREALLOCATE=${XLA_PYTHON_CLIENT_PREALLOCATE:-false}  # several processes share the GPU
 log_file=${LOG_DIR:-/tmp}/pytest.log
 if [ "$JOBS" -le 1 ]; then
+  targets=(tests)
+  if [ -n "${TEST_FILES:-}" ]; then
+    targets=()
+    for n in $TEST_FILES; do
+      [ -f "tests/$n.py" ] || { echo "TEST_FILES names $n: no tests/$n.py"; exit 2; }
+      targets+=("tests/$n.py")
+    done
+  fi
   # shellcheck disable=SC2086
-  $PY -m pytest -q tests ${PYTEST_ARGS:-} > "$log_file" 2>&1 || rc=$?
+  $PY -m pytest -q "${targets[@]}" ${PYTEST_ARGS:-} > "$log_file" 2>&1 || rc=$?
   [ -n "$LOG_DIR" ] || cat "$log_file"
   summary=$(tail -n 1 "$log_file")
 else
