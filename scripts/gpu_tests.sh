@@ -18,9 +18,9 @@
 # a machine still warm from an earlier call), TEST_FILES (the test files to
 # run, by name, e.g. "test_fp8 test_sparse_decode"; default all), so that a
 # suite longer than one call can be split over two. Parallel parts share the
-# machine's CPUs (each process compiles its own XLA programs) and the GPU:
-# on a 16-core machine 6 parts progressed far slower than one sequential
-# pytest, so prefer PYTEST_JOBS=1 with TEST_FILES split over warm calls.
+# machine's CPUs and the GPU: on a 16-core machine 6 parts progressed far
+# slower than one sequential pytest (why was not measured), so prefer
+# PYTEST_JOBS=1 with TEST_FILES split over warm calls.
 # Stopped by a signal (a time limit), it still writes what the finished and
 # running parts logged to pytest.log, and their last lines. After a build by
 # this script, the long randomized run on the GPU alone is
@@ -66,7 +66,7 @@ fi
 $PY -m mla_jax info
 
 JOBS=${PYTEST_JOBS:-1}
-echo "=== python -m pytest -q tests (${JOBS} at a time)${LOG_DIR:+, log in \$OUT/pytest.log}"
+echo "=== python -m pytest -q ${TEST_FILES:-tests} (${JOBS} at a time)${LOG_DIR:+, log in \$OUT/pytest.log}"
 t0=$SECONDS
 rc=0
 export XLA_PYTHON_CLIENT_PREALLOCATE=${XLA_PYTHON_CLIENT_PREALLOCATE:-false}  # several processes share the GPU
