@@ -136,8 +136,10 @@ def bench_row(b, q, h, k, args, pool_tokens, peer):
       fr = dict(error=f"{type(e).__name__}: {e}"[:300], ok=False)
     rec["flashmla"] = fr
   m, pt, fm = rec["auto"], rec.get(args.compare, {}), rec.get("flashmla", {})
-  rec.update({"mla_jax_us": m.get("us"), "mla_jax_gpu_us": m.get("gpu_us"), f"{args.compare}_us": pt.get("us"),
+  rec.update({"mla_jax_us": m.get("us"), "mla_jax_gpu_us": m.get("gpu_us"),
               "flashmla_us": fm.get("us") if fm.get("ok") else None})
+  if args.compare != "none":
+    rec[f"{args.compare}_us"] = pt.get("us")
   if rec["flashmla_us"] and m.get("us"):
     rec["mla_over_flashmla"] = m["us"] / rec["flashmla_us"]
   if pt.get("us") and m.get("us"):

@@ -300,10 +300,8 @@ def test_decode_loop_in_command_buffers_after_the_scheduler_kernel(kernel, refer
   # block, which changes the split schedule: a decode that read the
   # schedule before the scheduler wrote it would see the previous step's
   # items there.
-  import mla_jax
-  device = mla_jax.kernels.visible_cuda_device()
-  if kernel.startswith("sm90") and not (device is not None and device.arch // 10 == 9
-                                        and mla_jax._ffi.ext().has_sm90a()):
+  from test_cuda_kernel import _hopper_kernels_available
+  if kernel.startswith("sm90") and not _hopper_kernels_available():
     pytest.skip(f"{kernel} needs an sm_90 GPU and a build with sm_90a code")
   info, res = _run_mode("on", tmp_path, kernel)
   _check_run("on", info, res, reference)
