@@ -58,7 +58,8 @@ class KernelChoice:
       query and at most 32 heads).
     schedule: who computes the split-KV schedule: "auto", "kernel" (the
       scheduler kernel, before the decode), "inline" (one warp of every
-      seesaw CTA, up to 32 requests) or "block" (every seesaw CTA).
+      seesaw or swap-AB CTA, up to 32 requests) or "block" (every seesaw
+      CTA).
     combine_grid: the combine kernel's grid: "auto", "block", "rows" or
       "slices".
     programmatic_combine: launch the combine with programmatic dependent

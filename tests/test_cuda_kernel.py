@@ -664,3 +664,46 @@ def test_fp8_swapab_items_and_ring(batch, max_num_splits, heads):
   _check(out, lse, ref_out, ref_lse, tol=2e-2)
   worst = _worst_row_error(out, ref_out, ref_lse)
   assert worst <= 2e-2, f"worst row relative error {worst:.3g}"
+
+
+@pytest.mark.parametrize("heads,q_len,page_size,dtype,max_num_splits", [
+    (16, 1, 64, jnp.bfloat16, None),    # 16-row block
+    (32, 1, 128, jnp.bfloat16, 3),      # 32-row block, capped pieces
+    (8, 2, 64, jnp.float16, None),      # MTP, fp16 query (three e4m3 parts)
+    (16, 2, 64, jnp.bfloat16, 2),       # 32 rows from q_len x heads
+])
+def test_fp8_swapab_inline_schedule_matches_scheduler_kernel_bitwise(heads, q_len, page_size, dtype,
+                                                                   max_num_splits):
+  # Up to 32 requests the swap-AB kernel schedules itself (warp 0 of every
+  # CTA, csrc/smxx/schedule_inline.cuh); schedule "kernel" runs the scheduler
+  # kernel first. The same items in the same order: the outputs agree bit
+  # for bit, empty, negative-length and bad-page requests included. The
+  # scheduler-kernel run also keeps that path covered at small batches,
+  # where auto no longer takes it.
+  if not _hopper_kernels_available():
+    pytest.skip("sm90_swapab needs an sm_90 GPU and a build with sm_90a code")
+  rng = np.random.default_rng(53 + heads + 5 * q_len + page_size)
+  lens = [0, 1, q_len, 700, 9000, 64, 3000, 20000, 129, 30000, 300, 300]
+  d = random_paged_inputs(rng, lens, num_heads=heads, page_size=page_size, q_len=q_len)
+  bt, sl = d["block_table"], d["seq_lens"]
+  bt[-2, 2] = d["kv_cache"].shape[0] + 5                  # a live page id outside the cache: NaN request
+  sl[-1] = -2                                             # negative length: NaN request
+  q = jnp.asarray(d["query"], dtype)
+  kv8 = jnp.asarray(d["kv_cache"] * 8.0, jnp.float8_e4m3fn)
+  results = []
+  for schedule in ("inline", "kernel"):
+    plan = mla_jax.DecodePlan(num_heads=heads, page_size=page_size, sm_scale=SM_SCALE, q_len=q_len,
+                              causal=q_len > 1, backend="cuda", max_num_splits=max_num_splits,
+                              kernel=KernelChoice(kernel="sm90_swapab", schedule=schedule))
+    got = mla_jax.explain(plan, q, kv8, bt, sl, kv_scale=jnp.float32(0.3)).kernel
+    assert (got.kernel, got.schedule) == ("sm90_swapab", schedule), str(got)
+    _poison_allocator()
+    out, lse = mla_jax.paged_decode(q, kv8, jnp.asarray(bt), jnp.asarray(sl), plan=plan, return_lse=True,
+                                    kv_scale=jnp.float32(0.3))
+    results.append((np.asarray(out.astype(jnp.float32)), np.asarray(lse)))
+  ref_out, ref_lse = reference_paged_decode(np.asarray(q.astype(jnp.float32)), np.asarray(kv8.astype(jnp.float32)),
+                                            bt, sl, plan, kv_scale=0.3)
+  assert np.isnan(ref_lse[-2:]).all() and np.isfinite(ref_lse[4]).all()
+  _check(*results[0], ref_out, ref_lse, tol=2e-2)
+  np.testing.assert_array_equal(results[0][0], results[1][0])
+  np.testing.assert_array_equal(results[0][1], results[1][1])

@@ -108,7 +108,8 @@ def test_swapab_serves_fp8_caches_with_few_rows_only():
                             kernel="sm90_swapab")
   got = mla_jax.explain(plan, *_paged(4, 8, 64, q_len=2, kv_dtype=jnp.float8_e4m3fn),
                         kv_scale=jax.ShapeDtypeStruct((), jnp.float32), device=H200)
-  assert got.kernel == KernelChoice("sm90_swapab", "kernel", "block", False), str(got)
+  # Four requests: one warp of every CTA schedules them (no scheduler kernel).
+  assert got.kernel == KernelChoice("sm90_swapab", "inline", "block", False), str(got)
   for heads, q_len, kv_dtype in ((16, 2, jnp.float8_e4m3fn), (32, 1, jnp.float8_e4m3fn)):
     ok = dataclasses.replace(plan, num_heads=heads, q_len=q_len)
     got = mla_jax.explain(ok, *_paged(4, heads, 64, q_len=q_len, kv_dtype=kv_dtype),
@@ -143,8 +144,9 @@ def test_sparse_capability_table(heads, kv_format, q_dtype, topk, want):
         else jax.ShapeDtypeStruct((20, 64, 576), jnp.bfloat16))
   args = (jax.ShapeDtypeStruct((3, heads, 576), q_dtype), kv, jax.ShapeDtypeStruct((3, topk), jnp.int32))
   got = mla_jax.explain(plan, *args, device=H200)
-  # The seesaw kernel schedules a batch of 3 itself (one warp of every CTA).
-  schedule = "inline" if want == "sm90_seesaw" else "kernel"
+  # The seesaw and swap-AB kernels schedule a batch of 3 themselves (one
+  # warp of every CTA).
+  schedule = "inline" if want in ("sm90_seesaw", "sm90_swapab") else "kernel"
   assert got.kernel.kernel == want and got.kernel.schedule == schedule, str(got)
   if want == "sm90_lockstep" and kv_format == "fp8_ds_mla" and q_dtype == jnp.bfloat16:
     assert any(f"top-k {topk} is below the 1024" in line for line in got.reasons), str(got)
@@ -194,6 +196,27 @@ def test_forced_choice_that_cannot_serve_the_call_is_a_trace_time_error(kernel, 
     _explain_paged(batch, heads, page_size, kernel=kernel)
   if mla_jax._ffi.ext().has_sm90a():
     assert match in str(e.value)
+
+
+@needs_sm90a
+def test_swapab_schedules_small_batches_itself():
+  # Up to 32 requests one warp of every swap-AB CTA schedules; above, the
+  # scheduler kernel runs first; the block schedule is the seesaw kernel's.
+  plan = mla_jax.DecodePlan(num_heads=16, page_size=64, sm_scale=SM_SCALE, backend="cuda")
+  fp8 = lambda batch: _paged(batch, 16, 64, kv_dtype=jnp.float8_e4m3fn)
+  scale = dict(kv_scale=jax.ShapeDtypeStruct((), jnp.float32), device=H200)
+  for batch, want in ((1, "inline"), (32, "inline"), (33, "kernel"), (128, "kernel")):
+    got = mla_jax.explain(plan, *fp8(batch), **scale)
+    assert (got.kernel.kernel, got.kernel.schedule) == ("sm90_swapab", want), str(got)
+  got = mla_jax.explain(plan, *fp8(40), **scale)
+  assert any("more than sm90_swapab schedules itself" in line for line in got.reasons), str(got)
+  forced = dataclasses.replace(plan, kernel=KernelChoice(kernel="sm90_swapab", schedule="inline"))
+  assert mla_jax.explain(forced, *fp8(8), **scale).kernel.schedule == "inline"
+  with pytest.raises(ValueError, match="at most 32 requests"):
+    mla_jax.explain(forced, *fp8(40), **scale)
+  with pytest.raises(ValueError, match="'block' is the sm90_seesaw kernel's"):
+    mla_jax.explain(dataclasses.replace(plan, kernel=KernelChoice(kernel="sm90_swapab", schedule="block")),
+                    *fp8(8), **scale)
 
 
 @needs_sm90a

@@ -689,3 +689,27 @@ def test_hopper_swapab_long_items(heads):
   if _hopper():
     assert mla_jax.explain(plan, case.query, kv, idx).kernel.kernel == "sm90_swapab"
   _matches_reference_twice(case, kv, idx, plan, lens)
+
+
+@GPU
+@pytest.mark.parametrize("heads", [16, 32])
+def test_hopper_swapab_inline_schedule_matches_scheduler_kernel(heads):
+  """Up to 32 requests (entries x q_len) the swap-AB kernel schedules itself (warp 0 of every
+  CTA); schedule "kernel" runs the scheduler kernel first: the same items in the same order, so
+  the outputs agree bit for bit. 12 entries x q_len 2 of the long-items inputs (zero, short and
+  full topk_lens, garbage after them, padding in the middle), against the float64 reference."""
+  if not _hopper():
+    pytest.skip("needs an sm_90 GPU and a build with sm_90a code")
+  case, kv, idx, lens = _long_items_case(seed_of("swapab-inline", heads), 12, heads, "pow2", 13, 4, {5: 65})
+  results = []
+  for schedule in ("inline", "kernel"):
+    plan = dataclasses.replace(case.plan("cuda"), kernel=mla_jax.KernelChoice(kernel="sm90_swapab", schedule=schedule))
+    got = mla_jax.explain(plan, case.query, kv, idx).kernel
+    assert (got.kernel, got.schedule) == ("sm90_swapab", schedule), str(got)
+    results.append(run_sparse("cuda", case.query, kv, idx, plan, topk_lens=lens))
+  ref_out, ref_lse = reference_sparse_decode(case.query.astype(np.float32), kv, idx, case.plan("xla"),
+                                             topk_lens=lens)
+  assert_matches(*results[0], ref_out, ref_lse, case.dtype)
+  (out, lse), (out_k, lse_k) = results
+  np.testing.assert_array_equal(np.asarray(out_k.astype(jnp.float32)), np.asarray(out.astype(jnp.float32)))
+  np.testing.assert_array_equal(np.asarray(lse_k), np.asarray(lse))

@@ -13,7 +13,7 @@
 
 namespace mla_jax {
 
-// Requests up to which the seesaw kernel's inline schedule serves a batch
+// Requests up to which the seesaw and swap-AB kernels' inline schedule serves a batch
 // (one per lane of a warp; smxx/schedule_inline.cuh).
 constexpr int kInlineScheduleMaxRequests = 32;
 
@@ -30,7 +30,7 @@ enum class KernelFamily : int {
 enum class ScheduleMode : int {
   kAuto = 0,
   kSchedulerKernel = 1,  // smxx/scheduler.cu runs before the decode kernel
-  kInline = 2,           // the seesaw kernel schedules with one warp (<= 32 requests)
+  kInline = 2,           // the seesaw or swap-AB kernel schedules with one warp (<= 32 requests)
   kBlock = 3,            // the seesaw kernel schedules with the whole CTA, in every CTA
 };
 

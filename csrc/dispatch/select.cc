@@ -275,12 +275,16 @@ Selection select_kernel(const DecodeFacts& f, const KernelConfig& requested, std
     note([&] { return std::string(std::string("kernel: ") + family_name(c.kernel) + " (requested by the plan)"); });
   }
 
-  // 2. Who schedules the splits.
+  // 2. Who schedules the splits. The seesaw kernel can schedule inside its
+  //    CTAs (one warp up to 32 requests, the whole block above); the swap-AB
+  //    kernel with one warp up to 32 requests; every other case runs the
+  //    scheduler kernel first.
   const bool seesaw = c.kernel == KernelFamily::kSm90Seesaw;
+  const bool swapab_kernel = c.kernel == KernelFamily::kSm90SwapAB;
   if (c.schedule == ScheduleMode::kAuto) {
     if (c.kernel == KernelFamily::kAuto) {
       // decided with the kernel
-    } else if (!seesaw) {
+    } else if (!seesaw && !swapab_kernel) {
       c.schedule = ScheduleMode::kSchedulerKernel;
       note([&] { return std::string("schedule: kernel (the scheduler kernel runs before the decode)"); });
     } else if (requests < 0) {
@@ -288,14 +292,21 @@ Selection select_kernel(const DecodeFacts& f, const KernelConfig& requested, std
     } else if (requests <= kInlineScheduleMaxRequests) {
       c.schedule = ScheduleMode::kInline;
       note([&] { return std::string("schedule: inline (" + std::to_string(requests) + " requests: one warp of every decode CTA schedules)"); });
+    } else if (swapab_kernel) {
+      c.schedule = ScheduleMode::kSchedulerKernel;
+      note([&] { return std::string("schedule: kernel (" + std::to_string(requests) + " requests, more than sm90_swapab "
+           "schedules itself: the scheduler kernel runs before the decode)"); });
     } else {
       c.schedule = ScheduleMode::kBlock;
       note([&] { return std::string("schedule: block (" + std::to_string(requests) + " requests: every decode CTA computes the schedule)"); });
     }
   } else {
-    if (c.schedule != ScheduleMode::kSchedulerKernel && c.kernel != KernelFamily::kAuto && !seesaw)
-      return fail(std::string("schedule '") + schedule_name(c.schedule) + "' is the sm90_seesaw kernel's; kernel '" +
+    if (c.schedule == ScheduleMode::kInline && c.kernel != KernelFamily::kAuto && !seesaw && !swapab_kernel)
+      return fail(std::string("schedule 'inline' is the sm90_seesaw and sm90_swapab kernels'; kernel '") +
                   family_name(c.kernel) + "' uses schedule 'kernel'");
+    if (c.schedule == ScheduleMode::kBlock && c.kernel != KernelFamily::kAuto && !seesaw)
+      return fail(std::string("schedule 'block' is the sm90_seesaw kernel's; kernel '") + family_name(c.kernel) +
+                  "' uses schedule 'kernel'" + (swapab_kernel ? " or 'inline'" : ""));
     if (c.schedule == ScheduleMode::kInline && requests > kInlineScheduleMaxRequests)
       return fail("schedule 'inline' serves at most " + std::to_string(kInlineScheduleMaxRequests) +
                   " requests, got " + std::to_string(requests));

@@ -20,17 +20,23 @@ cudaError_t launch_swapab(const PagedDecodeParams& p, const DecodeWorkspace& ws,
     make_kv_tma_fp8(p, &tma);
     if (!tma.enabled) return cudaErrorNotSupported;
   }
-  const void* kernel = reinterpret_cast<const void*>(decode_swapab_kernel<Tr>);
-  cudaError_t err = smxx::set_max_dynamic_smem_once(kernel, Tr::kSmemAlloc);
-  if (err != cudaSuccess) return err;
+  // Up to kInlineScheduleMaxBatch requests one warp of every CTA schedules
+  // (csrc/smxx/schedule_inline.cuh); above, the scheduler kernel runs first
+  // and the decode is its programmatic dependent (csrc/smxx/pdl.cuh).
+  // select_kernel never plans an inline schedule above that bound; a plan
+  // that does is refused here rather than silently run another way.
+  if (schedule.inline_schedule && p.batch > smxx::kInlineScheduleMaxBatch) return cudaErrorNotSupported;
   SplitSchedule s = schedule;
-  s.inline_schedule = false;
   s.schedule_in_decode = false;
-  err = smxx::run_scheduler(p, ws, s, stream);
+  auto* kernel = s.inline_schedule ? decode_swapab_kernel<Tr, true> : decode_swapab_kernel<Tr, false>;
+  cudaError_t err = smxx::set_max_dynamic_smem_once(reinterpret_cast<const void*>(kernel), Tr::kSmemAlloc);
   if (err != cudaSuccess) return err;
-  // The decode is the scheduler's programmatic dependent (csrc/smxx/pdl.cuh).
-  return launch_kernel(decode_swapab_kernel<Tr>, dim3(1, s.num_parts), Tr::kThreads, Tr::kSmemAlloc, stream,
-                       /*programmatic=*/true, p, ws, tma);
+  if (!s.inline_schedule) {
+    err = smxx::run_scheduler(p, ws, s, stream);
+    if (err != cudaSuccess) return err;
+  }
+  return launch_kernel(kernel, dim3(1, s.num_parts), Tr::kThreads, Tr::kSmemAlloc, stream,
+                       /*programmatic=*/!s.inline_schedule, p, ws, s, tma);
 }
 
 }  // namespace

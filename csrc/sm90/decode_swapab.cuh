@@ -3,7 +3,8 @@
 // request or fewer. The tile configuration, the operands' layouts (the
 // O^T one permuted) and the shared-memory plan are in swapab_traits.h.
 //
-// Per item (a request, or a piece of one, from the scheduler kernel): the
+// Per item (a request, or a piece of one, from the scheduler kernel or,
+// up to 32 requests, from one warp of the CTA itself): the
 // CTA splits each query row into e4m3 parts (two for bf16, three for fp16,
 // after scaling the row by a power of two), then warpgroup w of W takes the
 // item's tiles w, w + W, ... from the stage ring (with kN = 32 both take
@@ -175,9 +176,14 @@ __device__ __forceinline__ void sparse_gather_split(const PagedDecodeParams& p, 
   cutlass::arch::cpasync_barrier_arrive_noinc(bar);
 }
 
-template <typename Tr>
+// kInlineSchedule: one warp of the CTA schedules a small batch itself
+// (csrc/smxx/schedule_inline.cuh) instead of reading the scheduler kernel's
+// items; a separate instantiation, so that the other keeps its tile loop's
+// registers (a run-time flag there raised them).
+template <typename Tr, bool kInlineSchedule>
 __global__ void __launch_bounds__(Tr::kThreads, 1)
-    decode_swapab_kernel(const PagedDecodeParams p, const DecodeWorkspace ws, const __grid_constant__ KvTma tma) {
+    decode_swapab_kernel(const PagedDecodeParams p, const DecodeWorkspace ws, const SplitSchedule schedule,
+                         const __grid_constant__ KvTma tma) {
   // The combine kernel after this one may be dispatched now; it waits for
   // this grid to complete before reading anything (csrc/smxx/pdl.cuh).
   pdl_allow_dependents();
@@ -267,6 +273,17 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   // owner's four warps (kN = 32: of all eight) arrives once its cp.async
   // copies have landed.
   constexpr int kArrivals = kSparse ? 128 * (kSplit ? 2 : 1) : kSplit ? 1 : 4;
+  // This partition's items: small batches (schedule.inline_schedule) are
+  // scheduled here by warp 0, the CTA of partition 0 also writing the
+  // combine's metadata; else the scheduler kernel wrote them.
+  static_assert(sizeof(smxx::PartItem) == 5 * 4 && smxx::kInlineScheduleMaxBatch == kInlineScheduleMaxRequests,
+                "the item region of swapab_traits.h");
+  smxx::PartItem* s_items = reinterpret_cast<smxx::PartItem*>(shared + Tr::kSmemItems);
+  int* s_num_items = reinterpret_cast<int*>(s_items + smxx::kInlineScheduleMaxBatch);
+  if (kInlineSchedule && tid < 32) {
+    const int num = smxx::schedule_partition_inline(p, ws, schedule, part, part == 0, s_items);
+    if (tid == 0) *s_num_items = num;
+  }
   if (tid == 0) {
 #pragma unroll
     for (int i = 0; i < kS; ++i) {
@@ -275,19 +292,33 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     }
     cutlass::arch::fence_barrier_init();
   }
-  __syncthreads();
+  __syncthreads();  // also publishes the inline schedule
   // Bit s: parity of the phases stage s's barrier has completed before the
   // current item (the same in every thread).
   uint32_t stage_parity = 0;
 
-  // Launched as a programmatic dependent of the scheduler kernel, which
-  // always runs before this kernel, this CTA may start before the schedule
-  // is written: wait for it here, after the set-up that does not read it
-  // (csrc/smxx/pdl.cuh).
-  pdl_wait_for_previous();
-  const int item_begin = ws.part_begin[part], item_end = ws.part_begin[part + 1];
-  for (int item = item_begin; item < item_end; ++item) {
-    const DecodeItem it = load_item<kBlockN>(p, ws, item);
+  int item_begin = 0, item_end;
+  if constexpr (kInlineSchedule) {
+    item_end = *s_num_items;
+  } else {
+    // Launched as a programmatic dependent of the scheduler kernel, this
+    // CTA may start before the schedule is written: wait for it here, after
+    // the set-up that does not read it (csrc/smxx/pdl.cuh).
+    pdl_wait_for_previous();
+    item_begin = ws.part_begin[part];
+    item_end = ws.part_begin[part + 1];
+  }
+  for (int pos = item_begin; pos < item_end; ++pos) {
+    // `item`: the global item number (the partial-output slot when split).
+    int item = pos;
+    DecodeItem it;
+    if constexpr (kInlineSchedule) {
+      const smxx::PartItem own = s_items[pos];
+      item = own.item;
+      it = make_item<kBlockN>(p, ws, own.b, own.block_begin, own.block_end, own.splits);
+    } else {
+      it = load_item<kBlockN>(p, ws, pos);
+    }
     const int64_t tok_end = it.tok_end;
     const int tile_begin = it.tile_begin, num_tiles = it.num_tiles;
     // Dense: the request's block-table row; sparse: its index row.

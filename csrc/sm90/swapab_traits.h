@@ -71,6 +71,8 @@
 
 #include <type_traits>
 
+#include "csrc/common/kernel_config.h"
+
 namespace mla_jax {
 namespace sm90 {
 
@@ -231,7 +233,10 @@ struct SwapAbTraits {
   static constexpr int kSmemFlags = kSmemRescale + (kSplitO ? 2 * kN * 4 : 0);  // bad-page flag
   static constexpr int kSmemRelease = kSmemFlags + 16;                // [stage] warps done (kSplitO)
   static constexpr int kSmemBarriers = kSmemRelease + (kStages * 4 + 7) / 8 * 8;  // [stage] mbarriers
-  static constexpr int kSmemBytes = kSmemBarriers + kStages * 8;
+  // Small batches: this partition's items from the inline schedule
+  // (smxx::PartItem[kInlineScheduleMaxBatch], then their count).
+  static constexpr int kSmemItems = kSmemBarriers + kStages * 8;
+  static constexpr int kSmemBytes = kSmemItems + kInlineScheduleMaxRequests * 5 * 4 + 16;
   static constexpr int kSmemAlloc = kSmemBytes + 1024;
   static_assert(kQRopeOffset % 512 == 0 && kRopeOffset % 512 == 0);
   static_assert(kQSlabBytes % 1024 == 0 && kSmemKv % 1024 == 0 && kSmemP % 1024 == 0 && kPBytes % 1024 == 0 &&
