@@ -171,7 +171,11 @@ struct SwapAbTraits {
   static constexpr int kSSteps = kDimQK / 32;  // S^T k-steps (dense): 16 of ckv, then 2 of kpe
   static constexpr int kRopeSteps = kSparse ? kDimRope / 16 : kDimRope / 32;  // of the kpe part
   // S^T's k-steps per float accumulation group (decode_swapab.cuh, step 1).
-  static constexpr int kSGroupSteps = 3;
+  // The tensor core's FP8 accumulation error grows with the group: one
+  // k-step per group at kN = 16 (no cost there: each group's wgmmas hide
+  // behind the previous group's adds); two at kN = 32, where one step per
+  // group leaves the wgmmas waiting on the adds (docs/kernels.md).
+  static constexpr int kSGroupSteps = kN == 16 ? 1 : 2;
   static constexpr int kBlockN = 64;  // tokens per KV tile (wgmma M; the scheduler's block)
   static constexpr int kWarpgroups = kWarpgroups_;
   static constexpr int kStages = kStages_;
