@@ -666,14 +666,16 @@ def test_fp8_swapab_items_and_ring(batch, max_num_splits, heads):
   assert worst <= 2e-2, f"worst row relative error {worst:.3g}"
 
 
-@pytest.mark.parametrize("heads,q_len,page_size,dtype,max_num_splits", [
-    (16, 1, 64, jnp.bfloat16, None),    # 16-row block
-    (32, 1, 128, jnp.bfloat16, 3),      # 32-row block, capped pieces
-    (8, 2, 64, jnp.float16, None),      # MTP, fp16 query (three e4m3 parts)
-    (16, 2, 64, jnp.bfloat16, 2),       # 32 rows from q_len x heads
+@pytest.mark.parametrize("heads,q_len,page_size,dtype,max_num_splits,num_requests", [
+    (16, 1, 64, jnp.bfloat16, None, 12),    # 16-row block
+    (32, 1, 128, jnp.bfloat16, 3, 12),      # 32-row block, capped pieces
+    (8, 2, 64, jnp.float16, None, 12),      # MTP, fp16 query (three e4m3 parts)
+    (16, 2, 64, jnp.bfloat16, 2, 12),       # 32 rows from q_len x heads
+    (16, 2, 64, jnp.float16, None, 12),     # 32 rows, fp16 query
+    (16, 1, 64, jnp.bfloat16, None, 32),    # the most requests the inline schedule takes: every lane
 ])
 def test_fp8_swapab_inline_schedule_matches_scheduler_kernel_bitwise(heads, q_len, page_size, dtype,
-                                                                   max_num_splits):
+                                                                   max_num_splits, num_requests):
   # Up to 32 requests the swap-AB kernel schedules itself (warp 0 of every
   # CTA, csrc/smxx/schedule_inline.cuh); schedule "kernel" runs the scheduler
   # kernel first. The same items in the same order: the outputs agree bit
@@ -684,6 +686,8 @@ def test_fp8_swapab_inline_schedule_matches_scheduler_kernel_bitwise(heads, q_le
     pytest.skip("sm90_swapab needs an sm_90 GPU and a build with sm_90a code")
   rng = np.random.default_rng(53 + heads + 5 * q_len + page_size)
   lens = [0, 1, q_len, 700, 9000, 64, 3000, 20000, 129, 30000, 300, 300]
+  # More requests go before the last two (the bad-page and negative-length ones).
+  lens = lens[:-2] + [int(n) for n in rng.integers(1, 5000, num_requests - len(lens))] + lens[-2:]
   d = random_paged_inputs(rng, lens, num_heads=heads, page_size=page_size, q_len=q_len)
   bt, sl = d["block_table"], d["seq_lens"]
   bt[-2, 2] = d["kv_cache"].shape[0] + 5                  # a live page id outside the cache: NaN request

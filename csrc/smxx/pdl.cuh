@@ -1,7 +1,8 @@
 // Programmatic dependent launch (sm_90 and later), twice in a call:
 // * scheduler kernel -> decode kernel: the portable and lock-step kernels,
-//   which always follow the scheduler kernel, and the swap-AB kernel where
-//   it does (above 32 requests; below, it schedules itself) are launched with
+//   which always follow the scheduler kernel, and the swap-AB kernel when
+//   its schedule is "kernel" (auto: above 32 requests; below, it schedules
+//   itself) are launched with
 //   programmatic stream serialisation; the scheduler calls
 //   pdl_allow_dependents() first thing, so their CTAs are dispatched and do
 //   their set-up while the schedule is computed, and each calls
