@@ -172,9 +172,8 @@ struct SwapAbTraits {
   static constexpr int kRopeSteps = kSparse ? kDimRope / 16 : kDimRope / 32;  // of the kpe part
   // S^T's k-steps per float accumulation group (decode_swapab.cuh, step 1).
   // The tensor core's FP8 accumulation error grows with the group: one
-  // k-step per group at kN = 16 (no cost there: each group's wgmmas hide
-  // behind the previous group's adds); two at kN = 32, where one step per
-  // group leaves the wgmmas waiting on the adds (docs/kernels.md).
+  // k-step per group at kN = 16, where it costs no time; two at kN = 32,
+  // where one step per group is markedly slower (docs/perf.md).
   static constexpr int kSGroupSteps = kN == 16 ? 1 : 2;
   static constexpr int kBlockN = 64;  // tokens per KV tile (wgmma M; the scheduler's block)
   static constexpr int kWarpgroups = kWarpgroups_;
