@@ -276,8 +276,6 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   // This partition's items: small batches (schedule.inline_schedule) are
   // scheduled here by warp 0, the CTA of partition 0 also writing the
   // combine's metadata; else the scheduler kernel wrote them.
-  static_assert(sizeof(smxx::PartItem) == 5 * 4 && smxx::kInlineScheduleMaxBatch == kInlineScheduleMaxRequests,
-                "the item region of swapab_traits.h");
   smxx::PartItem* s_items = reinterpret_cast<smxx::PartItem*>(shared + Tr::kSmemItems);
   int* s_num_items = reinterpret_cast<int*>(s_items + smxx::kInlineScheduleMaxBatch);
   if (kInlineSchedule && tid < 32) {

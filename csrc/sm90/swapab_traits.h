@@ -71,7 +71,7 @@
 
 #include <type_traits>
 
-#include "csrc/common/kernel_config.h"
+#include "csrc/smxx/schedule_inline.cuh"
 
 namespace mla_jax {
 namespace sm90 {
@@ -239,7 +239,8 @@ struct SwapAbTraits {
   // Small batches: this partition's items from the inline schedule
   // (smxx::PartItem[kInlineScheduleMaxBatch], then their count).
   static constexpr int kSmemItems = kSmemBarriers + kStages * 8;
-  static constexpr int kSmemBytes = kSmemItems + kInlineScheduleMaxRequests * 5 * 4 + 16;
+  static constexpr int kSmemBytes =
+      kSmemItems + smxx::kInlineScheduleMaxBatch * static_cast<int>(sizeof(smxx::PartItem)) + 16;
   static constexpr int kSmemAlloc = kSmemBytes + 1024;
   static_assert(kQRopeOffset % 512 == 0 && kRopeOffset % 512 == 0);
   static_assert(kQSlabBytes % 1024 == 0 && kSmemKv % 1024 == 0 && kSmemP % 1024 == 0 && kPBytes % 1024 == 0 &&
