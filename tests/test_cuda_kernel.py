@@ -223,13 +223,19 @@ def _check_same_bits_with_scheduler_kernel(d, plan):
   np.testing.assert_array_equal(results[0][1], results[1][1])
 
 
-@pytest.mark.parametrize("heads,max_num_splits", [(128, None), (128, 3), (16, None)])
-def test_inline_schedule_matches_scheduler_kernel_bitwise(heads, max_num_splits):
+@pytest.mark.parametrize("heads,max_num_splits,num_requests", [
+    (128, None, 7), (128, 3, 7), (16, None, 7),
+    (128, None, 32),   # the most requests the inline schedule takes: every lane
+    (16, 2, 32),
+])
+def test_inline_schedule_matches_scheduler_kernel_bitwise(heads, max_num_splits, num_requests):
   # Batches of up to 32 requests are scheduled inside the decode kernel on
   # sm_90 (elsewhere both runs take the scheduler kernel): the same items in
   # the same order, so the outputs must agree bit for bit.
-  rng = np.random.default_rng(19 + heads)
-  d = random_paged_inputs(rng, [0, 1, 700, 9000, 64, 3000, 20000], num_heads=heads, page_size=64)
+  rng = np.random.default_rng(19 + heads + num_requests)
+  lens = [0, 1, 700, 9000, 64, 3000, 20000]
+  lens += [int(n) for n in rng.integers(1, 6000, num_requests - len(lens))]
+  d = random_paged_inputs(rng, lens, num_heads=heads, page_size=64)
   plan = mla_jax.DecodePlan(num_heads=heads, page_size=64, sm_scale=SM_SCALE, backend="cuda",
                             max_num_splits=max_num_splits)
   _check_same_bits_with_scheduler_kernel(d, plan)
