@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_paged_decode import (PAGE_SIZE, SM_SCALE, git_commit, make_block_table, mla_jax_env,  # noqa: E402
+from bench_paged_decode import (PAGE_SIZE, SM_SCALE, git_commit, kernel_request, make_block_table, mla_jax_env,  # noqa: E402
                                 pick_n, source_digest, time_chained, write_json)
 
 KV_SCALE = 0.05
@@ -78,7 +78,7 @@ def bench_row(b, q, h, seq, args, ceilings):
     caches = [cache] + [jnp.array(cache, copy=True) for _ in range(rot - 1)]
     kernel = args.compare if variant == args.compare else "auto"
     plan = mla_jax.DecodePlan(num_heads=h, page_size=PAGE_SIZE, sm_scale=SM_SCALE, q_len=q, causal=q > 1,
-                              backend=args.backend, kernel=kernel)
+                              backend=args.backend, kernel=kernel_request(kernel))
     scale = None if variant == "bf16" else kv_scale
 
     def step(x, c, shared, plan=plan, scale=scale):
@@ -128,7 +128,8 @@ def main(argv=None):
   ap.add_argument("--commit", default=None)
   ap.add_argument("--rows", default="", help="comma list of row indices")
   ap.add_argument("--compare", default="portable",
-                  help="kernel forced on the FP8 cache for the third variant (default portable)")
+                  help="kernel forced on the FP8 cache for the third variant (default portable); "
+                       "KERNEL:SCHEDULE forces the split schedule too, e.g. sm90_seesaw:block")
   ap.add_argument("--variants", default=None,
                   help="comma list of the variants to time among fp8, bf16 and the --compare kernel (default all; "
                        "fp8 alone times a build against another)")

@@ -473,6 +473,14 @@ def run_backend(plan, data, n_lo, n_hi, reps, counts, ceil, target=None, device_
   return res
 
 
+def kernel_request(spec: str):
+  """A --compare/--kernel value: a kernel name, or KERNEL:SCHEDULE (e.g.
+  sm90_seesaw:block) to force the split schedule too."""
+  import mla_jax
+  kernel, _, schedule = spec.partition(":")
+  return mla_jax.KernelChoice(kernel=kernel, schedule=schedule) if schedule else kernel
+
+
 def pick_n(est_us, target_us, lo, hi):
   n_hi = int(min(hi, max(lo, round(target_us / max(est_us, 1e-3)))))
   return max(1, n_hi // 2), max(2, n_hi)

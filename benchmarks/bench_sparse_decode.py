@@ -39,7 +39,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_paged_decode import git_commit, mla_jax_env, source_digest, time_chained, write_json  # noqa: E402
+from bench_paged_decode import (git_commit, kernel_request, mla_jax_env, source_digest, time_chained,  # noqa: E402
+                                write_json)
 
 PAGE_SIZE = 64
 POOL_TOKENS = 65536
@@ -90,7 +91,7 @@ def bench_row(b, q, h, k, args, pool_tokens, peer):
   ref = None
   for variant in ("auto",) if args.compare == "none" else ("auto", args.compare):
     plan = mla_jax.SparseDecodePlan(num_heads=h, page_size=PAGE_SIZE, sm_scale=SM_SCALE, topk=k, q_len=q,
-                                    kv_format=args.kv_format, backend=args.backend, kernel=variant)
+                                    kv_format=args.kv_format, backend=args.backend, kernel=kernel_request(variant))
     step = lambda x, c, idx, plan=plan: mla_jax.sparse_decode(x, c, idx, plan=plan, return_lse=True)
     try:
       e = mla_jax.explain(plan, qs[0], cache, indices)
@@ -161,7 +162,8 @@ def main(argv=None):
   ap.add_argument("--kv-format", default="fp8_ds_mla", choices=("fp8_ds_mla", "bf16"),
                   help="the cache: 656-byte fp8_ds_mla rows, or bf16 rows of 576 values (1,152 bytes)")
   ap.add_argument("--compare", default="portable",
-                  help="the kernel forced beside the auto-selected one (default portable; none: no other)")
+                  help="the kernel forced beside the auto-selected one (default portable; none: no other; "
+                       "KERNEL:SCHEDULE forces the split schedule too, e.g. sm90_seesaw:block)")
   ap.add_argument("--tokens-per-request", type=int, default=0,
                   help="each request selects among its own N tokens (a pool of B * N, no row shared "
                        "across requests, as in serving); default: one shared 65,536-token pool")
