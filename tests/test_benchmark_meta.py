@@ -101,3 +101,11 @@ def test_native_timing_failure_is_recorded(bench, tmp_path):
   nat = bench.run_native_timing(exe, [bench.Row(1, 1, 16, 64)])
   assert "exit status 2" in nat["error"] and "CUDA error" in nat["error"]
   assert "error" in bench.run_native_timing(str(tmp_path / "missing"), [bench.Row(1, 1, 16, 64)])
+
+
+def test_kernel_request_forces_a_schedule_too(bench):
+  import mla_jax
+  assert bench.kernel_request("sm90_lockstep") == "sm90_lockstep"
+  assert bench.kernel_request("sm90_seesaw:block") == mla_jax.KernelChoice(kernel="sm90_seesaw", schedule="block")
+  with pytest.raises(ValueError, match="schedule"):
+    bench.kernel_request("sm90_seesaw:weekly")
