@@ -10,7 +10,8 @@ the profiler trace's kernel span):
   fp8       the float8_e4m3fn cache with kv_scale, the kernel auto-selection picks;
   bf16      the bf16 cache holding the same dequantised values (what FP8 must beat);
   portable  the FP8 cache on the portable mma.sync kernel (forced through the plan;
-            --compare KERNEL forces another, e.g. sm90_lockstep, recorded under its name).
+            --compare KERNEL forces another, e.g. sm90_lockstep, recorded under its name;
+            KERNEL:SCHEDULE forces the split schedule too, e.g. sm90_seesaw:block).
 
 Each variant's output is checked against the float64 reference on two requests.
 Bytes follow FlashMLA's convention with the cache's element size (1 for FP8):

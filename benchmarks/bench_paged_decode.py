@@ -474,11 +474,14 @@ def run_backend(plan, data, n_lo, n_hi, reps, counts, ceil, target=None, device_
 
 
 def kernel_request(spec: str):
-  """A --compare/--kernel value: a kernel name, or KERNEL:SCHEDULE (e.g.
+  """The plan's kernel field for a --compare value of bench_sparse_decode.py
+  and bench_fp8_decode.py: a kernel name, or KERNEL:SCHEDULE (e.g.
   sm90_seesaw:block) to force the split schedule too."""
   import mla_jax
-  kernel, _, schedule = spec.partition(":")
-  return mla_jax.KernelChoice(kernel=kernel, schedule=schedule) if schedule else kernel
+  kernel, colon, schedule = spec.partition(":")
+  if colon and not schedule:
+    raise ValueError(f"--compare {spec!r}: KERNEL:SCHEDULE names no schedule")
+  return mla_jax.KernelChoice(kernel=kernel, schedule=schedule) if colon else kernel
 
 
 def pick_n(est_us, target_us, lo, hi):

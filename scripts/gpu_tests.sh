@@ -97,7 +97,7 @@ else
   "$PY" -m pytest -q --collect-only -p no:cacheprovider tests/test_cuda_kernel.py -k "not fp8" 2>/dev/null |
     grep "::" | awk -v n="$CK_SHARDS" -v d="$parts" '{print > (d "/ck_ids." (NR - 1) % n)}'
   first="test_cuda_kernel test_differential test_sparse_decode test_serving test_context_parallel test_fp8"
-  files=$(for f in $first; do echo "tests/$f.py"; done; ls tests/test_*.py | grep -v -E "$(echo $first | tr ' ' '|')")
+  files=$(for f in $first; do echo "tests/$f.py"; done; ls tests/test_*.py | grep -v -E "/($(echo $first | tr ' ' '|'))\.py$")
   if [ -n "${TEST_FILES:-}" ]; then
     # Every name must be a test file, as in the one-at-a-time path (a typo
     # would otherwise drop that file from the run without a word).
@@ -105,6 +105,7 @@ else
       [ -f "tests/$n.py" ] || { echo "TEST_FILES names $n: no tests/$n.py"; exit 2; }
     done
     files=$(for f in $files; do n=$(basename "$f" .py); if [[ " $TEST_FILES " == *" $n "* ]]; then echo "$f"; fi; done)
+    [ -n "$files" ] || { echo "TEST_FILES ($TEST_FILES) names no test file of the run"; exit 2; }
   fi
   # A time limit's signal: keep what the parts have logged so far.
   partial() {

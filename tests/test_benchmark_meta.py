@@ -107,5 +107,6 @@ def test_kernel_request_forces_a_schedule_too(bench):
   import mla_jax
   assert bench.kernel_request("sm90_lockstep") == "sm90_lockstep"
   assert bench.kernel_request("sm90_seesaw:block") == mla_jax.KernelChoice(kernel="sm90_seesaw", schedule="block")
-  with pytest.raises(ValueError, match="schedule"):
-    bench.kernel_request("sm90_seesaw:weekly")
+  for bad in ("sm90_seesaw:weekly", "sm90_seesaw:"):
+    with pytest.raises(ValueError, match="schedule"):
+      bench.kernel_request(bad)
