@@ -17,8 +17,9 @@ auto-selection picks; method of bench_paged_decode.py: jitted program of n chain
 calls, own query each, median wall-clock slope between two n; GPU time from the
 profiler trace), the portable kernel forced through the plan (the one the Hopper
 kernels replaced; --compare KERNEL forces another, e.g. sm90_lockstep, recorded under
-its name; KERNEL:SCHEDULE forces the split schedule too, e.g. sm90_seesaw:block), and FlashMLA when importable (flashmla_peer.py: CUDA-graph replay
-slope) on the same bytes: our cache layout is FlashMLA's. Each result is checked
+its name; KERNEL:SCHEDULE forces the split schedule too, e.g. sm90_seesaw:block), and
+FlashMLA when importable (flashmla_peer.py: CUDA-graph replay slope) on the same
+bytes: our cache layout is FlashMLA's. Each result is checked
 against the float64 reference on two requests.
 
   python benchmarks/bench_sparse_decode.py --out benchmarks/results/h200_sparse.json
