@@ -33,8 +33,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_paged_decode import (PAGE_SIZE, SM_SCALE, git_commit, kernel_request, make_block_table, mla_jax_env,  # noqa: E402
-                                pick_n, source_digest, time_chained, write_json)
+from bench_paged_decode import (PAGE_SIZE, SM_SCALE, git_commit, kernel_request, make_block_table,  # noqa: E402
+                                mla_jax_env, pick_n, source_digest, time_chained, write_json)
 
 KV_SCALE = 0.05
 # (B, q_len, H, seq)
