@@ -7,13 +7,15 @@
 // mla_jax/kernels.py sizes it), one cudaMalloc each, so that any access past
 // a buffer is reported.
 //
-//   mla_jax_kernel_driver [N_CASES [SEED [--short-out] [--kernel NAME]]]
+//   mla_jax_kernel_driver [N_CASES [SEED [--short-out] [--kernel NAME] [--sparse-heads H]]]
 //
 // --short-out allocates every output buffer 2 bytes short: a check that
 // memcheck sees the kernels' accesses (it must report the last row's
 // stores), not a mode for anything else. --kernel draws every case for one
 // kernel request (auto, portable, sm90_lockstep, sm90_seesaw, sm90_swapab)
 // instead of cycling through them: a sanitizer run aimed at one kernel.
+// --sparse-heads H makes every case a sparse one with H heads (1-128), e.g.
+// the seesaw kernel's crossover form at 65-128 heads.
 //
 // Each seeded case draws a paged or sparse call over the input space the
 // Python tests cover (query dtype, cache format and layout, page size,
@@ -139,11 +141,13 @@ T pick(std::mt19937_64& rng, std::initializer_list<T> xs) {
 // or sparse fp8_ds_mla with a bf16 query; sm90_swapab: paged e4m3 caches with page_size a multiple of 64 and at
 // most 32 query rows, or sparse fp8_ds_mla with a bf16 query and at most 32
 // heads; sm90_lockstep: any number of query rows per request).
+int g_sparse_heads = 0;  // --sparse-heads
+
 Case draw_case(std::mt19937_64& rng, const std::string& kernel) {
   Case c;
   const bool seesaw = kernel == "sm90_seesaw";
   const bool swapab = kernel == "sm90_swapab";
-  c.sparse = rng() % 3 == 0;
+  c.sparse = rng() % 3 == 0 || g_sparse_heads > 0;
   c.q_type = rng() % 4 == 0 ? ElemType::kF16 : ElemType::kBF16;
   c.q_packed = rng() % 2;
   c.heads = pick(rng, {1, 3, 12, 16, 32, 48, 64, 96, 128});
@@ -168,6 +172,7 @@ Case draw_case(std::mt19937_64& rng, const std::string& kernel) {
     }
     c.sink = rng() % 2;
     c.max_num_splits = 0;
+    if (g_sparse_heads > 0) c.heads = g_sparse_heads;
   } else {
     c.cache = swapab || rng() % 2 ? Case::kFp8 : Case::kNative;
     c.kv_packed = rng() % 2;
@@ -544,9 +549,9 @@ int main(int argc, char** argv) {
   static const char* const kKernels[] = {"auto", "portable", "sm90_lockstep", "sm90_seesaw", "sm90_swapab"};
   auto usage = [&] {
     std::fprintf(stderr,
-                 "usage: %s [N_CASES [SEED [--short-out] [--kernel NAME]]]\n"
+                 "usage: %s [N_CASES [SEED [--short-out] [--kernel NAME] [--sparse-heads H]]]\n"
                  "  N_CASES > 0, SEED an unsigned integer; NAME one of auto, portable, sm90_lockstep, "
-                 "sm90_seesaw, sm90_swapab\n",
+                 "sm90_seesaw, sm90_swapab; H in 1..128\n",
                  argv[0]);
     return 2;
   };
@@ -566,6 +571,10 @@ int main(int argc, char** argv) {
                std::any_of(std::begin(kKernels), std::end(kKernels),
                            [&](const char* k) { return std::strcmp(k, argv[a + 1]) == 0; })) {
       only = argv[++a];
+    } else if (std::strcmp(argv[a], "--sparse-heads") == 0 && a + 1 < argc) {
+      const long h = std::strtol(argv[++a], &end, 10);
+      if (*end != '\0' || h < 1 || h > 128) return usage();
+      g_sparse_heads = static_cast<int>(h);
     } else {
       return usage();
     }
