@@ -10,7 +10,7 @@
 // underestimate.
 //
 //   mla_jax_decode_timing [--rows "B,Q,H,SEQ[,v|,@FILE];..."] [--request CONFIG] [--splits N]
-//                         [--normal-data] [--own-outputs] [--l2-mb M] [--reps N] [--json PATH]
+//                         [--fp8] [--normal-data] [--own-outputs] [--l2-mb M] [--reps N] [--json PATH]
 //
 // --request: the plan's kernel configuration ("kernel,schedule,combine,
 // programmatic" as mla_jax.KernelChoice names them; default all auto),
@@ -18,7 +18,11 @@
 // (default 0, the scheduler's choice); --normal-data fills the query and
 // cache from std::normal_distribution instead of the faster sum of four
 // uniforms; --own-outputs gives every call its own output, LSE and
-// workspace (as XLA does) instead of one set the calls share.
+// workspace (as XLA does) instead of one set the calls share; --fp8 stores
+// the cache as float8_e4m3fn with kv_scale kFp8Scale (each value the e4m3
+// code nearest to value / kFp8Scale, as bench_fp8_decode.py quantises but
+// for how ties round), the query staying bf16; bytes then count one per
+// cached value.
 // Rows default to bench_paged_decode.py's ROWS (bf16, page 64, values with
 // mean 0 and variance 1, pages a random permutation of the pool plus 3
 // spare pages, sm_scale 1/sqrt(192), causal for Q > 1). A row ending in
@@ -61,6 +65,22 @@ namespace {
 using namespace mla_jax;
 
 constexpr int kDn = 512, kDr = 64, kDqk = kDn + kDr, kPage = 64;
+constexpr float kFp8Scale = 0.05f;
+
+// The finite e4m3 code nearest to v (ties to the lower magnitude; beyond
+// the largest, the largest).
+uint8_t nearest_e4m3(float v) {
+  static const std::vector<float> mags = [] {
+    std::vector<float> m(127);  // codes 0x00-0x7e: increasing magnitudes
+    for (int c = 0; c < 127; ++c) m[c] = fp8e4m3_to_float(static_cast<uint8_t>(c));
+    return m;
+  }();
+  const float a = std::fabs(v);
+  const auto it = std::lower_bound(mags.begin(), mags.end(), a);
+  int c = static_cast<int>(it - mags.begin());
+  if (c == 127 || (c > 0 && a - mags[c - 1] <= mags[c] - a)) c -= 1;
+  return static_cast<uint8_t>(c | (v < 0 ? 0x80 : 0));
+}
 
 struct Row {
   int b, q, h, seq;
@@ -197,6 +217,7 @@ struct Options {
   int max_num_splits = 0;
   int reps = 10;
   bool normal_data = false;  // std::normal_distribution values (slower to fill)
+  bool fp8 = false;          // float8_e4m3fn cache with kv_scale kFp8Scale
   bool own_outputs = false;  // every call its own output, LSE and workspace, as XLA gives them
   double l2_bytes = 60e6;    // the rotation of cache copies covers twice this
 };
@@ -228,25 +249,30 @@ Result run_row(const Row& row, int index, const Options& opt, const DeviceInfo& 
     for (int j = 0; j < (seq[b] + kPage - 1) / kPage; ++j) table[static_cast<size_t>(b) * max_pages + j] = perm[k++];
 
   const double flops = 2.0 * row.q * double(sum_seq) * row.h * (kDqk + kDn);
-  const double bytes = (double(sum_seq) * kDqk + double(row.b) * row.q * row.h * (kDqk + kDn)) * 2;
+  const int kv_bytes = opt.fp8 ? 1 : 2;
+  const double bytes = double(sum_seq) * kDqk * kv_bytes + double(row.b) * row.q * row.h * (kDqk + kDn) * 2;
   const double floor_us = std::max(bytes / 4.3e12, flops / 790e12) * 1e6;
   const int n_hi = std::clamp(static_cast<int>(std::lround(10000.0 / std::max(1.5 * floor_us, 1e-3))), 8, 128);
   const int n_lo = n_hi / 2;
 
   const int64_t rows_total = int64_t{row.b} * row.q * row.h;
   const size_t q_bytes = static_cast<size_t>(rows_total) * kDqk * 2;
-  const size_t cache_bytes = static_cast<size_t>(num_pages) * kPage * kDqk * 2;
+  const size_t cache_bytes = static_cast<size_t>(num_pages) * kPage * kDqk * kv_bytes;
   const int copies = static_cast<int>(std::clamp(std::ceil(2 * opt.l2_bytes / double(cache_bytes)), 1.0, 64.0));
 
   // Host data, device copies.
-  std::vector<uint16_t> hq(q_bytes / 2), hcache(cache_bytes / 2);
-  if (opt.normal_data) {
-    std::normal_distribution<float> nd;
-    for (auto& x : hq) x = float_to_bf16(nd(rng));
-    for (auto& x : hcache) x = float_to_bf16(nd(rng));
+  std::vector<uint16_t> hq(q_bytes / 2);
+  std::vector<uint8_t> hcache(cache_bytes);  // bf16 (two bytes a value) or e4m3 codes
+  std::normal_distribution<float> nd;
+  auto draw = [&] { return opt.normal_data ? nd(rng) : fr.normal(); };
+  for (auto& x : hq) x = float_to_bf16(draw());
+  if (opt.fp8) {
+    for (auto& x : hcache) x = nearest_e4m3(draw() / kFp8Scale);
   } else {
-    for (auto& x : hq) x = float_to_bf16(fr.normal());
-    for (auto& x : hcache) x = float_to_bf16(fr.normal());
+    for (size_t i = 0; i < cache_bytes; i += 2) {
+      const uint16_t v = float_to_bf16(draw());
+      std::memcpy(&hcache[i], &v, 2);
+    }
   }
   std::vector<Dev*> qs, caches;
   for (int i = 0; i < n_hi; ++i) {
@@ -266,10 +292,10 @@ Result run_row(const Row& row, int index, const Options& opt, const DeviceInfo& 
   }
   Dev& d_out = *outs[n_out - 1];
   Dev& d_lse = *lses[n_out - 1];
-  const float one = 1.0f;
+  const float kv_scale = opt.fp8 ? kFp8Scale : 1.0f;
   CUDA_OK(cudaMemcpy(d_table.p, table.data(), table.size() * 4, cudaMemcpyHostToDevice));
   CUDA_OK(cudaMemcpy(d_seq.p, seq.data(), seq.size() * 4, cudaMemcpyHostToDevice));
-  CUDA_OK(cudaMemcpy(d_scale.p, &one, 4, cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemcpy(d_scale.p, &kv_scale, 4, cudaMemcpyHostToDevice));
   CUDA_OK(cudaMemset(d_out.p, 0xff, static_cast<size_t>(rows_total) * kDn * 2));  // bf16 NaN
   CUDA_OK(cudaMemset(d_lse.p, 0xff, static_cast<size_t>(rows_total) * 4));
   // The copies ran on the legacy stream; the timed stream does not wait for it.
@@ -277,7 +303,8 @@ Result run_row(const Row& row, int index, const Options& opt, const DeviceInfo& 
 
   auto params_for = [&](int i) {
     PagedDecodeParams p{};
-    p.q_type = p.kv_type = ElemType::kBF16;
+    p.q_type = ElemType::kBF16;
+    p.kv_type = opt.fp8 ? ElemType::kFP8E4M3 : ElemType::kBF16;
     p.batch = row.b;
     p.q_len = row.q;
     p.num_heads = row.h;
@@ -292,7 +319,7 @@ Result run_row(const Row& row, int index, const Options& opt, const DeviceInfo& 
     p.q_nope_row_stride = p.q_pe_row_stride = kDqk;
     char* ckv = static_cast<char*>(caches[i % copies]->p);
     p.ckv = ckv;
-    p.kpe = ckv + kDn * 2;
+    p.kpe = ckv + kDn * kv_bytes;
     p.ckv_token_stride = p.kpe_token_stride = kDqk;
     p.ckv_page_stride = p.kpe_page_stride = int64_t{kPage} * kDqk;
     p.kv_scale = static_cast<const float*>(d_scale.p);
@@ -344,7 +371,10 @@ Result run_row(const Row& row, int index, const Options& opt, const DeviceInfo& 
   const double prepare_us = (now_s() - t0) / kHostIters * 1e6;
   sm90::KvTma tma;
   t0 = now_s();
-  for (int k = 0; k < kHostIters; ++k) sm90::make_kv_tma(params[k % n_hi], &tma);
+  for (int k = 0; k < kHostIters; ++k) {
+    if (opt.fp8) sm90::make_kv_tma_fp8(params[k % n_hi], &tma);
+    else sm90::make_kv_tma(params[k % n_hi], &tma);
+  }
   const double tma_us = (now_s() - t0) / kHostIters * 1e6;
   for (int i = 0; i < n_hi; ++i) dispatch(i);  // warm-up (function attributes, modules)
   CUDA_OK(cudaStreamSynchronize(stream));
@@ -421,9 +451,8 @@ Result run_row(const Row& row, int index, const Options& opt, const DeviceInfo& 
   hp.q_nope = hq.data();
   hp.q_pe = hq.data() + kDn;
   hp.ckv = hcache.data();
-  hp.kpe = hcache.data() + kDn;
-  const float scale_host = 1.0f;
-  hp.kv_scale = &scale_host;
+  hp.kpe = hcache.data() + kDn * kv_bytes;
+  hp.kv_scale = &kv_scale;
   hp.block_table = table.data();
   hp.seq_lens = seq.data();
   hp.out = ref_out.data();
@@ -448,13 +477,13 @@ Result run_row(const Row& row, int index, const Options& opt, const DeviceInfo& 
   const double graph_us = median(graph_slopes), stream_us = median(stream_slopes);
   char buf[2048];
   std::snprintf(buf, sizeof buf,
-                "{\"name\": \"%s\", \"b\": %d, \"q_len\": %d, \"h\": %d, \"seq\": %d, \"varlen\": %s, "
+                "{\"name\": \"%s\", \"kv\": \"%s\", \"b\": %d, \"q_len\": %d, \"h\": %d, \"seq\": %d, \"varlen\": %s, "
                 "\"sum_seq\": %lld, \"kernel_config\": \"%s\", \"max_num_splits\": %d, \"n_lo\": %d, \"n_hi\": %d, \"reps\": %d, "
                 "\"cache_copies\": %d, \"graph_us\": %.2f, \"graph_us_per_call_hi\": %.2f, \"stream_us\": %.2f, "
                 "\"tflops\": %.1f, \"gbs\": %.1f, \"host_prepare_us\": %.3f, \"host_tma_encode_us\": %.3f, "
                 "\"host_dispatch_us\": %.2f, \"host_capture_us\": %.2f, \"check_relerr\": %.2e, "
                 "\"check_dlse\": %.2e, \"check_ok\": %s}",
-                row.name().c_str(), row.b, row.q, row.h, row.seq, row.varlen ? "true" : "false",
+                row.name().c_str(), opt.fp8 ? "e4m3" : "bf16", row.b, row.q, row.h, row.seq, row.varlen ? "true" : "false",
                 static_cast<long long>(sum_seq), host.config_attr.c_str(), opt.max_num_splits, n_lo, n_hi, reps, copies, graph_us,
                 median(graph_per_call), stream_us, flops / graph_us * 1e-6, bytes / graph_us * 1e-3, prepare_us,
                 tma_us, median(enqueue), median(capture_us), worst, worst_lse, ok ? "true" : "false");
@@ -480,6 +509,7 @@ int main(int argc, char** argv) {
     if (a == "--rows" && i + 1 < argc) rows = parse_rows(argv[++i]);
     else if (a == "--reps" && i + 1 < argc) opt.reps = std::max(1, std::atoi(argv[++i]));
     else if (a == "--normal-data") opt.normal_data = true;
+    else if (a == "--fp8") opt.fp8 = true;
     else if (a == "--own-outputs") opt.own_outputs = true;
     else if (a == "--l2-mb" && i + 1 < argc) opt.l2_bytes = std::max(0.0, std::atof(argv[++i])) * 1e6;
     else if (a == "--splits" && i + 1 < argc) opt.max_num_splits = std::max(0, std::atoi(argv[++i]));
@@ -493,7 +523,7 @@ int main(int argc, char** argv) {
     else if (a == "--json" && i + 1 < argc) json_path = argv[++i];
     else {
       std::fprintf(stderr, "usage: %s [--rows \"B,Q,H,SEQ[,v|,@FILE];...\"] [--request CONFIG] [--splits N] [--reps N] "
-                   "[--normal-data] [--own-outputs] [--l2-mb M] [--json PATH]\n", argv[0]);
+                   "[--fp8] [--normal-data] [--own-outputs] [--l2-mb M] [--json PATH]\n", argv[0]);
       return 2;
     }
   }
