@@ -15,7 +15,7 @@ speedup of "auto" over "xla".
 
     python benchmarks/bench_serving.py                    # full shapes (a GPU)
     python benchmarks/bench_serving.py --smoke            # tiny shapes (any host)
-    python benchmarks/bench_serving.py --out benchmarks/results/h200_serving.json
+    python benchmarks/bench_serving.py --out my_serving.json
 
 Without --out nothing is written; the table goes to stdout.
 """
