@@ -17,7 +17,7 @@ Each variant's output is checked against the float64 reference on two requests.
 Bytes follow FlashMLA's convention with the cache's element size (1 for FP8):
 (sum_seq * 576 * kv_bytes + B * q_len * H * (576 + 512) * 2).
 
-  python benchmarks/bench_fp8_decode.py --out benchmarks/results/h200_fp8.json
+  python benchmarks/bench_fp8_decode.py --out my_gpu_fp8.json     # scripts/gpu_bench.sh: the committed runs
   python benchmarks/bench_fp8_decode.py --smoke --backend cpu     # CPU check of the script
 """
 

@@ -22,7 +22,7 @@ FlashMLA when importable (flashmla_peer.py: CUDA-graph replay slope) on the same
 bytes: our cache layout is FlashMLA's. Each result is checked
 against the float64 reference on two requests.
 
-  python benchmarks/bench_sparse_decode.py --out benchmarks/results/h200_sparse.json
+  python benchmarks/bench_sparse_decode.py --out my_gpu_sparse.json     # scripts/gpu_bench.sh: the committed runs
   python benchmarks/bench_sparse_decode.py --tokens-per-request 8192 --rows 0,4
   python benchmarks/bench_sparse_decode.py --shape 32,4,128,1024 --compare sm90_seesaw
   python benchmarks/bench_sparse_decode.py --smoke --backend cpu     # CPU check of the script
