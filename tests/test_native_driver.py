@@ -35,3 +35,45 @@ def test_native_tool_compiles(tmp_path, source):
        "-o", str(tmp_path / f"{source.stem}.o"), str(source)],
       capture_output=True, text=True, timeout=300)
   assert build.returncode == 0, build.stdout + build.stderr
+
+
+PROBE_PROGRAM = r"""
+#include <cstdio>
+#include "csrc/common/phase_registry.h"
+#include "csrc/smxx/phase_probe.cuh"
+
+__global__ void probed(int* out) {
+  MLA_JAX_PHASE_BEGIN();
+  out[0] = 1;
+  MLA_JAX_PHASE(1);
+}
+
+int main() {
+  // Compiled in, the probe registers this unit's dump; without a GPU the
+  // dump finds no launch and prints nothing.
+  std::printf("units %zu\n", mla_jax::phase::registry().size());
+  mla_jax::phase::dump_all(4);
+  return 0;
+}
+"""
+
+
+@pytest.mark.parametrize("probe", [True, False], ids=["probe", "no_probe"])
+def test_phase_probe_compiles_in_or_out(tmp_path, probe):
+  """csrc/smxx/phase_probe.cuh: with MLA_JAX_PHASE_PROBE its unit registers a
+  dump (run here without a GPU: no launch recorded, nothing printed); without,
+  the marks compile to nothing and nothing registers."""
+  nvcc = _nvcc()
+  if nvcc is None:
+    pytest.skip("needs nvcc")
+  src = tmp_path / "probe.cu"
+  src.write_text(PROBE_PROGRAM)
+  exe = tmp_path / "probe"
+  build = subprocess.run(
+      [nvcc, "-std=c++17", f"-I{ROOT}", *(["-DMLA_JAX_PHASE_PROBE"] if probe else []), "-o", str(exe), str(src)],
+      capture_output=True, text=True, timeout=300)
+  assert build.returncode == 0, build.stdout + build.stderr
+  run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60)
+  assert run.returncode == 0, run.stdout + run.stderr
+  assert run.stdout.splitlines()[0] == f"units {1 if probe else 0}", run.stdout
+  assert "PHASE" not in run.stdout, run.stdout  # no launch was recorded

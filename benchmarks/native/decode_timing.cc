@@ -36,6 +36,9 @@
 // error (Frobenius norm over the request's output) <= 1e-2, |d lse| <= 1e-2,
 // no NaN. Exit status 0 when every row passes its check, 1 when one fails,
 // 2 on a usage error, a row no kernel serves, or a CUDA error.
+// Built with the phase probe (CMake MLA_JAX_PHASE_PROBE), it also prints,
+// after each row's last replay, the per-CTA phase records of the last
+// launches (PHASE lines; benchmarks/README.md, docs/kernels.md).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -52,6 +55,7 @@
 #include <vector>
 
 #include "csrc/common/elem_convert.h"
+#include "csrc/common/phase_registry.h"
 #include "csrc/common/mla_params.h"
 #include "csrc/common/workspace.h"
 #include "csrc/cpu/paged_decode_cpu.h"
@@ -438,6 +442,14 @@ Result run_row(const Row& row, int index, const Options& opt, const DeviceInfo& 
   CUDA_OK(cudaMemsetAsync(d_lse.p, 0xff, static_cast<size_t>(rows_total) * 4, stream));
   CUDA_OK(cudaGraphLaunch(g_hi, stream));
   CUDA_OK(cudaStreamSynchronize(stream));
+
+  // A build with the phase probe (CMake MLA_JAX_PHASE_PROBE) prints what the
+  // probed kernels recorded in the last launches of that replay.
+  if (!phase::registry().empty()) {
+    std::printf("PHASEROW %s kv %s\n", row.name().c_str(), opt.fp8 ? "e4m3" : "bf16");
+    phase::dump_all(4);
+    std::fflush(stdout);
+  }
 
   // Check request 0 of the last call against the CPU kernel.
   std::vector<uint16_t> out(static_cast<size_t>(row.q) * row.h * kDn);

@@ -59,6 +59,7 @@
 // and masked out of the softmax by the rows looked up (tile_mask).
 #pragma once
 
+#include "csrc/smxx/phase_probe.cuh"
 #include "csrc/smxx/schedule_block.cuh"
 #include "csrc/sm90/decode_kernel.cuh"
 #include "csrc/sm90/kv_convert.cuh"
@@ -75,6 +76,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     decode_seesaw_kernel(const PagedDecodeParams p, const DecodeWorkspace ws, const SplitSchedule schedule,
                          const __grid_constant__ KvTma tma) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  // Marks (diagnostic builds, csrc/smxx/phase_probe.cuh): 1 schedule
+  // published (inline schedule) or barriers set up, 3 the first item's query
+  // landed, 5 its tiles done, 6 its output written.
+  MLA_JAX_PHASE_BEGIN();
   using namespace cute;
   using T = typename Tr::QType;
   using Elem = typename Tr::Elem;
@@ -162,6 +167,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     cutlass::arch::fence_barrier_init();
   }
   __syncthreads();  // also publishes the inline schedule
+  MLA_JAX_PHASE(1);
   // Larger batches without the scheduler kernel: every CTA computes the
   // whole schedule in a KV stage no load has touched yet and keeps its
   // partition's items in its row block's region of ws.items.
@@ -535,6 +541,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     }
     fence_smem_for_wgmma();
     __syncthreads();  // the query landed
+    if (i == item_begin) MLA_JAX_PHASE(3);
     if (wg < num_tiles) {  // warpgroup w's first tile is tile w
       issue_s_blocks(Zero{}, Nine{}, std::true_type{});
       warpgroup_commit_batch();
@@ -686,7 +693,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     warpgroup_fence_operand(tOrO);
 
     // Both warpgroups' sums are relative to the same m_run.
+    if (i == item_begin) MLA_JAX_PHASE(5);
     write_item_output<Tr, T>(p, ws, it, item, m0, l_own, m_run, kv_scale, s_bad_page, sRed, sKv_shared, tOrO);
+    if (i == item_begin) MLA_JAX_PHASE(6);
   }
 #endif  // sm_90a
 }

@@ -35,6 +35,7 @@
 #include "csrc/smxx/api.h"
 #include "csrc/smxx/kv_source.cuh"
 #include "csrc/smxx/pdl.cuh"
+#include "csrc/smxx/phase_probe.cuh"
 #include "csrc/smxx/request.cuh"
 #include "csrc/sm90/decode_common.cuh"
 #include "csrc/sm90/kv_tma.h"
@@ -188,6 +189,11 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   // this grid to complete before reading anything (csrc/smxx/pdl.cuh).
   pdl_allow_dependents();
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  // Marks (diagnostic builds, csrc/smxx/phase_probe.cuh): 1 schedule
+  // published, 2 the first item's first tiles issued (dense), 3 its query in
+  // shared memory, 4 its first tile landed (warpgroup 0), 5 its tiles done,
+  // 6 its output written.
+  MLA_JAX_PHASE_BEGIN();
   using namespace cute;
   using T = typename Tr::QType;
   using Elem = typename Tr::Elem;
@@ -291,6 +297,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     cutlass::arch::fence_barrier_init();
   }
   __syncthreads();  // also publishes the inline schedule
+  MLA_JAX_PHASE(1);
   // Bit s: parity of the phases stage s's barrier has completed before the
   // current item (the same in every thread).
   uint32_t stage_parity = 0;
@@ -309,6 +316,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   for (int pos = item_begin; pos < item_end; ++pos) {
     // `item`: the global item number (the partial-output slot when split).
     int item = pos;
+    const bool first_item = pos == item_begin;  // the one the phase marks follow
     DecodeItem it;
     if constexpr (kInlineSchedule) {
       const smxx::PartItem own = s_items[pos];
@@ -384,6 +392,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
           for (int w = 0; w < 4; ++w) issue_boxes(t, entry, w, 1, w == 0);
         }
       }
+      if (first_item) MLA_JAX_PHASE(2);
     }
 
     // The query rows as kQTerms e4m3 parts each (part j of row r: row
@@ -488,6 +497,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     }
     fence_smem_for_wgmma();
     __syncthreads();  // the query and its rows' scales are in shared memory
+    if (first_item) MLA_JAX_PHASE(3);
 
     // Per S^T accumulator column: softmax scale (log2 domain, kv_scale and
     // the query's power of two folded in) and visible length (worked out
@@ -540,6 +550,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         if (lane == 0 && t + kS < num_tiles) next_entry = fetch_entry(t + kS);
       }
       FullBarrier::wait(&kv_full[j], ((stage_parity >> j) ^ static_cast<uint32_t>(t / kS)) & 1u);
+      if (first_item && t == 0) MLA_JAX_PHASE(4);
       // Sparse: the stage was written by cp.async (generic proxy) and the
       // S^T wgmmas read it through the async proxy.
       if constexpr (kSparse) fence_smem_for_wgmma();
@@ -914,6 +925,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         }
       }
     }
+    if (first_item) MLA_JAX_PHASE(5);
 #pragma unroll
     for (int j = 0; j < kS; ++j) {
       const int uses = num_tiles > j ? (num_tiles - 1 - j) / kS + 1 : 0;
@@ -1040,6 +1052,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     // this item (and, at kN = 16, written by the epilogue's hand-off), after
     // the barrier that starts it.
     fence_smem_for_wgmma();
+    if (first_item) MLA_JAX_PHASE(6);
   }
 #undef MLA_SPARSE_ROW
 #undef MLA_SPARSE_ENTRY

@@ -8,6 +8,7 @@
 #include <cub/block/block_reduce.cuh>
 
 #include "csrc/smxx/pdl.cuh"
+#include "csrc/smxx/phase_probe.cuh"
 #include "csrc/smxx/api.h"
 
 namespace mla_jax {
@@ -64,7 +65,9 @@ __device__ __forceinline__ void add_weighted(float4& acc, float w, float4 v) {
 // grid: (batch, rows, dv / kWarpColumns).
 template <typename OutT>
 __global__ void __launch_bounds__(kThreads) combine_kernel(PagedDecodeParams p, DecodeWorkspace ws) {
+  MLA_JAX_PHASE_BEGIN();  // diagnostic builds: mark 1 once the decode kernel is waited for
   pdl_wait_for_previous();  // may be dispatched before the decode kernel ends (csrc/smxx/pdl.cuh)
+  MLA_JAX_PHASE(1);
   const int b = blockIdx.x;
   const int row = blockIdx.y;
   const int splits = ws.request_meta[2 * b + 1];
@@ -169,7 +172,9 @@ __device__ __forceinline__ float warp_sum(float v) {
 // every SM's loads in flight otherwise.
 template <typename OutT, int kFloat4s>
 __global__ void __launch_bounds__(kRowWarps * 32) combine_rows_kernel(PagedDecodeParams p, DecodeWorkspace ws) {
+  MLA_JAX_PHASE_BEGIN();  // diagnostic builds: mark 1 once the decode kernel is waited for
   pdl_wait_for_previous();  // may be dispatched before the decode kernel ends (csrc/smxx/pdl.cuh)
+  MLA_JAX_PHASE(1);
   constexpr unsigned kAll = 0xffffffffu;
   constexpr int kDv = 32 * 4 * kRowFloat4s;
   constexpr int kUnroll = 8 / kFloat4s;  // splits loaded at once: 8 float4 loads of a lane in flight
