@@ -18,7 +18,8 @@
 # --fp8 --reps 3); a run stops after RUN_LIMIT_S seconds (default 60) and
 # keeps nothing. Writes OUT_DIR/{a,b}_<round>.json and prints, per row, each
 # side's graph_us per round, the ratio of the medians (B / A) and whether
-# every run passed the timer's check against the CPU kernel.
+# every run passed the timer's check against the CPU kernel; exit status 1
+# when a row failed a check or is missing from a run.
 set -uo pipefail
 [ $# -ge 1 ] || { sed -n 2,21p "$0"; exit 2; }
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -35,17 +36,18 @@ case "$1" in
       -DMLA_JAX_KERNEL_DRIVER=ON -DPython_EXECUTABLE="$(command -v "$PY")" > "$out.build.log" 2>&1 &&
       ninja -C "$tree/build" mla_jax_decode_timing mla_jax_kernel_driver >> "$out.build.log" 2>&1 ||
       { tail -n 30 "$out.build.log"; exit 1; }
-    cp "$tree/build/mla_jax_decode_timing" "$out"
-    cp "$tree/build/mla_jax_kernel_driver" "$out.driver"
-    gzip -kf "$out" && gzip -kf "$out.driver"
+    cp "$tree/build/mla_jax_decode_timing" "$out" && cp "$tree/build/mla_jax_kernel_driver" "$out.driver" &&
+      gzip -kf "$out" && gzip -kf "$out.driver" || { echo "copying the built tools to $out failed"; exit 1; }
     echo "built $(git -C "$ROOT" rev-parse --short "$rev"): $out ($(du -h "$out.gz" | cut -f1) gzipped), $out.driver"
     ;;
   run)
     [ $# -ge 5 ] || { sed -n 2,21p "$0"; exit 2; }
-    a=$2; b=$3; out_dir=$(mkdir -p "$4" && cd "$4" && pwd); rows=$5; shift 5
-    for bin in "$a" "$b"; do
-      [ -x "$bin" ] || { echo "not an executable: $bin (gunzip -k a .gz first)"; exit 2; }
+    out_dir=$(mkdir -p "$4" && cd "$4" && pwd); rows=$5
+    for bin in "$2" "$3"; do
+      [ -f "$bin" ] && [ -x "$bin" ] || { echo "not an executable: $bin (gunzip -k a .gz first)"; exit 2; }
     done
+    a=$(readlink -f "$2"); b=$(readlink -f "$3"); shift 5
+    rm -f "$out_dir"/[ab]_*.json "$out_dir"/[ab]_*.log  # a table of this run only
     rounds=${ROUNDS:-2}; limit=${RUN_LIMIT_S:-60}
     for ((r = 1; r <= rounds; ++r)); do
       for side in a b; do
@@ -70,6 +72,7 @@ for side in runs:
         for r in rows:
             runs[side].setdefault(r["name"], []).append((r["graph_us"], r["check_ok"]))
 names = list(dict.fromkeys(list(runs["a"]) + list(runs["b"])))
+failed = False
 print(f"{'row':<24} {'A graph_us':<24} {'B graph_us':<24} B/A    checks")
 for n in names:
     a, b = runs["a"].get(n, []), runs["b"].get(n, [])
@@ -77,6 +80,8 @@ for n in names:
     ok = all(c for _, c in a + b) and bool(a) and bool(b)
     fmt = lambda v: " ".join(f"{x:.2f}" for x, _ in v) or "-"
     print(f"{n:<24} {fmt(a):<24} {fmt(b):<24} {ratio:.4f} {'ok' if ok else 'FAILED OR MISSING'}")
+    failed = failed or not ok
+sys.exit(1 if failed or not names else 0)
 PY
     ;;
   *) sed -n 2,21p "$0"; exit 2 ;;

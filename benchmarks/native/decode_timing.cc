@@ -440,14 +440,17 @@ Result run_row(const Row& row, int index, const Options& opt, const DeviceInfo& 
   // One more replay over poisoned outputs: the check sees what the graph wrote.
   CUDA_OK(cudaMemsetAsync(d_out.p, 0xff, static_cast<size_t>(rows_total) * kDn * 2, stream));
   CUDA_OK(cudaMemsetAsync(d_lse.p, 0xff, static_cast<size_t>(rows_total) * 4, stream));
+  CUDA_OK(cudaStreamSynchronize(stream));
+  const std::vector<unsigned> phase_before = phase::snapshot();
   CUDA_OK(cudaGraphLaunch(g_hi, stream));
   CUDA_OK(cudaStreamSynchronize(stream));
 
   // A build with the phase probe (CMake MLA_JAX_PHASE_PROBE) prints what the
-  // probed kernels recorded in the last launches of that replay.
+  // probed kernels recorded in the last launches of that replay (a kernel
+  // the row does not run prints nothing).
   if (!phase::registry().empty()) {
     std::printf("PHASEROW %s kv %s\n", row.name().c_str(), opt.fp8 ? "e4m3" : "bf16");
-    phase::dump_all(4);
+    phase::dump_since(phase_before, 4);
     std::fflush(stdout);
   }
 

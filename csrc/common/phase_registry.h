@@ -4,28 +4,40 @@
 // what the probed kernels recorded without including device code.
 #pragma once
 
-#include <utility>
 #include <vector>
 
 namespace mla_jax {
 namespace phase {
 
-// Prints the last `launches` completed launches of each probed kernel of
-// one translation unit.
-using DumpFn = void (*)(int launches);
+// One translation unit's records: how many launches of its probed kernels
+// have completed, and a printer of launches [first, count) (at most the
+// last `at_most` of them).
+struct Unit {
+  const char* name;
+  unsigned (*launches)();
+  void (*dump)(unsigned first, int at_most);
+};
 
-inline std::vector<std::pair<const char*, DumpFn>>& registry() {
-  static std::vector<std::pair<const char*, DumpFn>> fns;
-  return fns;
+inline std::vector<Unit>& registry() {
+  static std::vector<Unit> units;
+  return units;
 }
 
-inline bool register_dump(const char* unit, DumpFn fn) {
-  registry().emplace_back(unit, fn);
+inline bool register_unit(const Unit& unit) {
+  registry().push_back(unit);
   return true;
 }
 
-inline void dump_all(int launches) {
-  for (const auto& [unit, fn] : registry()) fn(launches);
+// Every unit's launch count now: pass it to dump_since after the launches
+// of interest, so that a unit they did not run prints nothing.
+inline std::vector<unsigned> snapshot() {
+  std::vector<unsigned> counts;
+  for (const Unit& u : registry()) counts.push_back(u.launches());
+  return counts;
+}
+
+inline void dump_since(const std::vector<unsigned>& before, int at_most) {
+  for (size_t i = 0; i < registry().size() && i < before.size(); ++i) registry()[i].dump(before[i], at_most);
 }
 
 }  // namespace phase

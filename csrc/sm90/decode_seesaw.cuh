@@ -76,9 +76,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     decode_seesaw_kernel(const PagedDecodeParams p, const DecodeWorkspace ws, const SplitSchedule schedule,
                          const __grid_constant__ KvTma tma) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  // Marks (diagnostic builds, csrc/smxx/phase_probe.cuh): 1 schedule
-  // published (inline schedule) or barriers set up, 3 the first item's query
-  // landed, 5 its tiles done, 6 its output written.
+  // Marks (diagnostic builds, csrc/smxx/phase_probe.cuh): 1 inline schedule
+  // published (or barriers set up), 7 block schedule done, 3 the first
+  // item's query landed, 5 its tiles done, 6 its output written.
   MLA_JAX_PHASE_BEGIN();
   using namespace cute;
   using T = typename Tr::QType;
@@ -185,6 +185,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     item_begin = sched.part_num_items > 0 ? sched.part_first_item : 0;
     item_end = item_begin + sched.part_num_items;
     __syncthreads();  // read before the stage is reused for tiles
+    MLA_JAX_PHASE(7);
   } else {
     item_begin = schedule.inline_schedule ? 0 : ws.part_begin[part];
     item_end = schedule.inline_schedule ? *s_num_items : ws.part_begin[part + 1];

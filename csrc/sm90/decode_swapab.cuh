@@ -189,10 +189,11 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   // this grid to complete before reading anything (csrc/smxx/pdl.cuh).
   pdl_allow_dependents();
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  // Marks (diagnostic builds, csrc/smxx/phase_probe.cuh): 1 schedule
-  // published, 2 the first item's first tiles issued (dense), 3 its query in
-  // shared memory, 4 its first tile landed (warpgroup 0), 5 its tiles done,
-  // 6 its output written.
+  // Marks (diagnostic builds, csrc/smxx/phase_probe.cuh): 1 inline schedule
+  // published (or barriers set up), 7 the scheduler kernel waited for, 2
+  // the first item's first tiles issued (dense), 3 its query in shared
+  // memory, 4 its first tile landed, 5 its tiles done, 6 its output written
+  // (4 and 5 as warpgroup 0 sees them).
   MLA_JAX_PHASE_BEGIN();
   using namespace cute;
   using T = typename Tr::QType;
@@ -310,6 +311,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     // CTA may start before the schedule is written: wait for it here, after
     // the set-up that does not read it (csrc/smxx/pdl.cuh).
     pdl_wait_for_previous();
+    MLA_JAX_PHASE(7);
     item_begin = ws.part_begin[part];
     item_end = ws.part_begin[part + 1];
   }

@@ -13,10 +13,12 @@
 // clock64 (this SM's cycles) at each mark. Launches of the probed kernels
 // of one translation unit are counted (the last CTA to leave a launch
 // advances the count) and recorded in kSlots rotating slots, so the host
-// reads the last few launches after a replay; phase::dump_all (the
-// registry in csrc/common/phase_registry.h) prints, per launch, its span
-// (first entry to last exit) and per mark the min / median / max delta
-// from each CTA's own entry. The marks of a launch that a CTA never reaches
+// reads the last few launches after a replay; phase::dump_since (the
+// registry in csrc/common/phase_registry.h) prints, per launch since a
+// snapshot of the counts, its span (first entry to last exit; a
+// programmatic dependent's span includes its wait) and per mark the
+// min / median / max delta in cycles from each CTA's own entry (and the
+// median in ns). The marks of a launch that a CTA never reaches
 // keep an older launch's values and are left out (older than its entry).
 // Only a grid's first kCtas CTAs are recorded (all are counted). One call
 // at a time: launches of one unit must not overlap.
@@ -83,28 +85,36 @@ struct Probe {
 };
 
 // The host side of this translation unit's records.
-static void dump_unit(const char* unit, int launches) {
+static unsigned launches_unit() {
+  unsigned launch = 0;
+  return cudaMemcpyFromSymbol(&launch, g_launch, sizeof launch) == cudaSuccess ? launch : 0;
+}
+
+static void dump_unit(const char* unit, unsigned first, int at_most) {
   using T = unsigned long long;
+  const unsigned launch = launches_unit();
+  if (launch <= first) return;
+  if (const char* slash = std::strrchr(unit, '/')) unit = slash + 1;
   std::vector<T> t(size_t{kSlots} * kCtas * kMarks);
   std::vector<long long> c(t.size());
-  unsigned launch = 0, ctas[kSlots] = {};
-  if (cudaMemcpyFromSymbol(&launch, g_launch, sizeof launch) != cudaSuccess || launch == 0) return;
-  if (const char* slash = std::strrchr(unit, '/')) unit = slash + 1;
+  unsigned ctas[kSlots] = {};
   cudaMemcpyFromSymbol(t.data(), g_time, t.size() * sizeof(T));
   cudaMemcpyFromSymbol(c.data(), g_clock, c.size() * sizeof(long long));
   cudaMemcpyFromSymbol(ctas, g_ctas, sizeof ctas);
-  for (int k = std::min<int>(launches, std::min<unsigned>(launch, kSlots)); k >= 1; --k) {
-    const unsigned l = launch - k, s = l % kSlots;
+  const unsigned shown = std::min<unsigned>({launch - first, static_cast<unsigned>(std::max(at_most, 0)), kSlots});
+  for (unsigned l = launch - shown; l < launch; ++l) {
+    const unsigned s = l % kSlots;
     const int n = std::min<int>(static_cast<int>(ctas[s]), kCtas);
-    T first = ~T{0}, last_exit = 0, last_entry = 0;
+    T first_entry = ~T{0}, last_exit = 0, last_entry = 0;
     for (int i = 0; i < n; ++i) {
       const T* r = &t[(size_t{s} * kCtas + i) * kMarks];
-      first = std::min(first, r[0]);
+      first_entry = std::min(first_entry, r[0]);
       last_entry = std::max(last_entry, r[0]);
       last_exit = std::max(last_exit, r[kMarks - 1]);
     }
-    std::printf("PHASE %s launch %u ctas %d span_ns %llu last_entry_ns %llu", unit, l, n, last_exit - first,
-                last_entry - first);
+    std::printf("PHASE %s launch %u ctas %d%s span_ns %llu last_entry_ns %llu", unit, l, n,
+                static_cast<int>(ctas[s]) > kCtas ? " (of more)" : "", last_exit - first_entry,
+                last_entry - first_entry);
     for (int m = 1; m < kMarks; ++m) {
       std::vector<long long> cycles, ns;
       for (int i = 0; i < n; ++i) {
@@ -124,7 +134,8 @@ static void dump_unit(const char* unit, int launches) {
 }
 
 // __BASE_FILE__: the translation unit including this header.
-static const bool registered = register_dump(__BASE_FILE__, [](int launches) { dump_unit(__BASE_FILE__, launches); });
+static const bool registered =
+    register_unit({__BASE_FILE__, launches_unit, [](unsigned first, int at_most) { dump_unit(__BASE_FILE__, first, at_most); }});
 
 }  // namespace phase
 }  // namespace mla_jax
