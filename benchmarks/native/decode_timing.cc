@@ -55,8 +55,8 @@
 #include <vector>
 
 #include "csrc/common/elem_convert.h"
-#include "csrc/common/phase_registry.h"
 #include "csrc/common/mla_params.h"
+#include "csrc/common/phase_registry.h"
 #include "csrc/common/workspace.h"
 #include "csrc/cpu/paged_decode_cpu.h"
 #include "csrc/dispatch/decode.h"

@@ -11,9 +11,8 @@ namespace phase {
 
 // One translation unit's records: how many launches of its probed kernels
 // have completed, and a printer of launches [first, count) (at most the
-// last `at_most` of them).
+// last `at_most` of them), which names the unit.
 struct Unit {
-  const char* name;
   unsigned (*launches)();
   void (*dump)(unsigned first, int at_most);
 };

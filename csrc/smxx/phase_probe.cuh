@@ -135,7 +135,7 @@ static void dump_unit(const char* unit, unsigned first, int at_most) {
 
 // __BASE_FILE__: the translation unit including this header.
 static const bool registered =
-    register_unit({__BASE_FILE__, launches_unit, [](unsigned first, int at_most) { dump_unit(__BASE_FILE__, first, at_most); }});
+    register_unit({launches_unit, [](unsigned first, int at_most) { dump_unit(__BASE_FILE__, first, at_most); }});
 
 }  // namespace phase
 }  // namespace mla_jax
