@@ -377,6 +377,25 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                         rows_of);                                                                                \
     }                                                                                                            \
   } while (0)
+    // The query's loads go out before the first tiles' (below: 8 threads
+    // a row, 9 chunks of 8 features each), so that they do not queue
+    // behind the tiles of every CTA in the memory system; they are
+    // consumed after the tiles are issued.
+    const bool q_thread = tid < kN * 8;
+    const int q_row = tid / 8, q_lane8 = tid % 8;
+    const bool q_live = q_thread && q_row < rows;
+    uint4 q_raw[9];
+    {
+      const int64_t grow = int64_t{it.b} * rows + (q_live ? q_row : 0);
+      const char* qn = static_cast<const char*>(p.q_nope) + grow * p.q_nope_row_stride * 2;
+      const char* qp = static_cast<const char*>(p.q_pe) + grow * p.q_pe_row_stride * 2;
+#pragma unroll
+      for (int n = 0; n < 9; ++n) {
+        const int ch = q_lane8 + 8 * n;
+        q_raw[n] = q_live ? *reinterpret_cast<const uint4*>(ch < 64 ? qn + ch * 16 : qp + (ch - 64) * 16)
+                          : make_uint4(0u, 0u, 0u, 0u);
+      }
+    }
     if constexpr (kSparse) {
       // Each warpgroup fills the stages of its own first tiles (kN = 32:
       // every warp its share of every stage).
@@ -384,14 +403,21 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         const int rows_of[2] = {MLA_SPARSE_ROW(t, lane), MLA_SPARSE_ROW(t, lane + 32)};
         MLA_SPARSE_GATHER(t, rows_of);
       }
-    } else if (tid == 0) {
-      for (int t = 0; t < kS && t < num_tiles; ++t) {
-        const int entry = fetch_entry(t);
-        if constexpr (kSplit) {
-          issue_boxes(t, entry, 0, 4, true);
-        } else {
+    } else if (tid < 32) {
+      // Lane t reads tile t's block-table entry (the reads in flight
+      // together, not one after another); lane 0 issues the tiles.
+      const int own_entry = lane < kS && lane < num_tiles ? fetch_entry(lane) : 0;
+      int entries[kS];
 #pragma unroll
-          for (int w = 0; w < 4; ++w) issue_boxes(t, entry, w, 1, w == 0);
+      for (int t = 0; t < kS; ++t) entries[t] = __shfl_sync(0xffffffffu, own_entry, t);
+      if (lane == 0) {
+        for (int t = 0; t < kS && t < num_tiles; ++t) {
+          if constexpr (kSplit) {
+            issue_boxes(t, entries[t], 0, 4, true);
+          } else {
+#pragma unroll
+            for (int w = 0; w < 4; ++w) issue_boxes(t, entries[t], w, 1, w == 0);
+          }
         }
       }
       if (first_item) MLA_JAX_PHASE(2);
@@ -408,19 +434,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     // sColScale[row]: the softmax scale (log2 domain, kv_scale folded in)
     // times 2^-shift, NaN for a row holding an infinity (its output is NaN,
     // as e4m3 has no infinity). 8 threads per row, 9 chunks of 8 features.
-    if (tid < kN * 8) {
-      const int r = tid / 8, lane8 = tid % 8;
-      const bool live = r < rows;
-      const int64_t grow = int64_t{it.b} * rows + (live ? r : 0);
-      const char* qn = static_cast<const char*>(p.q_nope) + grow * p.q_nope_row_stride * 2;
-      const char* qp = static_cast<const char*>(p.q_pe) + grow * p.q_pe_row_stride * 2;
-      uint4 raw[9];
-#pragma unroll
-      for (int n = 0; n < 9; ++n) {
-        const int ch = lane8 + 8 * n;
-        raw[n] = live ? *reinterpret_cast<const uint4*>(ch < 64 ? qn + ch * 16 : qp + (ch - 64) * 16)
-                      : make_uint4(0u, 0u, 0u, 0u);
-      }
+    if (q_thread) {
+      const int r = q_row, lane8 = q_lane8;
+      const uint4 (&raw)[9] = q_raw;
       float amax = 0.f;
       auto to_float2 = [](uint32_t w) {
         if constexpr (std::is_same_v<T, __nv_bfloat16>) {

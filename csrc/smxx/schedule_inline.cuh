@@ -16,6 +16,19 @@ namespace smxx {
 // one per lane of a warp.
 constexpr int kInlineScheduleMaxBatch = kInlineScheduleMaxRequests;  // csrc/common/kernel_config.h
 
+// The maximum over a warp of one value a lane: one instruction from sm_80
+// (the decode kernels' targets); the shuffle tree where a host-side tool
+// compiles this header for an older default architecture.
+__device__ __forceinline__ unsigned warp_max_u32(unsigned v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  return __reduce_max_sync(0xffffffffu, v);
+#else
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) v = max(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+#endif
+}
+
 // One item of this CTA's partition.
 struct PartItem {
   int b;            // request
@@ -47,25 +60,41 @@ __device__ __forceinline__ int schedule_partition_inline(const PagedDecodeParams
   const int64_t work = __shfl_sync(kAll, end_pos, 31);
   const int parts = partitions_for(work, s.num_parts);
   const int64_t first_block_pos = end_pos - w + kSplitOverhead;
-  // Whole requests or cut ones, as the scheduler kernel decides: the load of
-  // this lane's whole-request partition (the lanes whose first block falls
-  // in the same one; 0 in lanes past the batch), then the busiest.
-  const int whole_part = live ? cut_request(n, first_block_pos, work, parts, 1).p_first : -1;
-  int64_t load = 0;
-#pragma unroll 4
-  for (int j = 0; j < 32; ++j) {
-    const int64_t w_j = __shfl_sync(kAll, w, j);
-    if (__shfl_sync(kAll, whole_part, j) == whole_part) load += w_j;
+  // Equal pieces' stride depends on the batch alone: ready before the load.
+  const int piece_stride = equal_piece_stride(p.batch, parts, s.max_num_splits);
+  // Whole requests or cut ones, as the scheduler kernel decides. Whole
+  // requests only where the average request can fit the slack at all (the
+  // block schedule's gate; the same decision, as the busiest partition
+  // carries at least the average): then the load of each whole-request
+  // partition (the lanes whose first block falls in it; 0 in lanes past the
+  // batch) and the busiest. Partitions do not decrease over the requests,
+  // so a partition's lanes are consecutive and its load is the difference of
+  // two line positions.
+  int max_splits = s.max_num_splits;
+  if (whole_requests_may_fit(work, p.batch, parts)) {
+    const int whole_part = live ? cut_request(n, first_block_pos, work, parts, 1).p_first : -1;
+    const int prev_part = __shfl_up_sync(kAll, whole_part, 1);
+    const unsigned starts = __ballot_sync(kAll, live && (lane == 0 || whole_part != prev_part));
+    const unsigned upto = starts & (0xffffffffu >> (31 - lane));  // segment starts at or before this lane
+    const unsigned after = starts & ~(0xffffffffu >> (31 - lane));
+    const int seg_first = 31 - __clz(upto | 1u);
+    const int seg_last = (after != 0 ? __ffs(after) - 1 : p.batch) - 1;
+    const int64_t seg_begin = __shfl_sync(kAll, end_pos - w, seg_first);
+    const int64_t seg_end = __shfl_sync(kAll, end_pos, seg_last < 0 ? 0 : seg_last);
+    int64_t load = live ? seg_end - seg_begin : 0;
+    if (work <= 0xffffffffll) {  // warp-uniform; every load is at most the work
+      load = warp_max_u32(static_cast<unsigned>(load));
+    } else {
+#pragma unroll
+      for (int o = 16; o > 0; o /= 2) load = max(load, __shfl_xor_sync(kAll, load, o));
+    }
+    max_splits = effective_max_splits(load, work, parts, s.max_num_splits);
   }
-#pragma unroll
-  for (int o = 16; o > 0; o /= 2) load = max(load, __shfl_xor_sync(kAll, load, o));
-  const int max_splits = effective_max_splits(load, work, parts, s.max_num_splits);
   // Else equal pieces, as the scheduler kernel decides: the largest piece.
-  int stride = max_splits == 1 ? 0 : equal_piece_stride(p.batch, parts, s.max_num_splits);
+  int stride = max_splits == 1 ? 0 : piece_stride;
   if (stride > 0) {
-    int64_t largest = live ? equal_piece_load(n, stride) : 0;
-#pragma unroll
-    for (int o = 16; o > 0; o /= 2) largest = max(largest, __shfl_xor_sync(kAll, largest, o));
+    // A piece's load is at most its request's blocks plus the overhead: 32 bits.
+    const unsigned largest = warp_max_u32(live ? static_cast<unsigned>(equal_piece_load(n, stride)) : 0u);
     if (!within_share(largest, work, parts, kEqualPiecesSlackPct)) stride = 0;
   }
   const RequestCut cut = stride > 0 ? equal_pieces_cut(b, n, first_block_pos, stride)

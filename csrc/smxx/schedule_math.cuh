@@ -36,6 +36,16 @@ constexpr int kSplitOverhead = 2;
 // on one 4k request at 128 heads; docs/perf.md).
 constexpr int kMinPartWork = 3;
 
+// num / den for num >= 0, den > 0: one 32-bit unsigned division where both
+// fit in 32 bits (the usual case: the schedule's work lines are short),
+// else the 64-bit one. The same quotient either way, so every schedule that
+// uses it still agrees bit for bit.
+__device__ __forceinline__ int64_t div_nonneg(int64_t num, int64_t den) {
+  if (((static_cast<uint64_t>(num) | static_cast<uint64_t>(den)) >> 32) == 0)
+    return static_cast<uint32_t>(num) / static_cast<uint32_t>(den);
+  return num / den;
+}
+
 // An invalid request has no blocks: one empty item writes its NaN output.
 __device__ __forceinline__ int num_blocks_of(const PagedDecodeParams& p, int b) {
   const RequestSpan span = request_span(p, b);
@@ -49,12 +59,12 @@ __device__ __forceinline__ int partitions_for(int64_t work, int num_parts) {
 }
 
 __device__ __forceinline__ int64_t bound(int part, int64_t total, int parts) {
-  return (int64_t{part} * total + parts - 1) / parts;  // first work unit of `part`
+  return div_nonneg(int64_t{part} * total + parts - 1, parts);  // first work unit of `part`
 }
 
 __device__ __forceinline__ int part_of(int64_t pos, int64_t total, int parts) {
   if (total <= 0) return 0;
-  const int64_t p = pos * parts / total;
+  const int64_t p = div_nonneg(pos * parts, total);
   return static_cast<int>(p < parts - 1 ? p : parts - 1);
 }
 
@@ -130,7 +140,7 @@ __device__ __forceinline__ int64_t equal_piece_load(int n, int stride) {
 }
 
 __device__ __forceinline__ bool within_share(int64_t busiest, int64_t work, int parts, int slack_pct) {
-  const int64_t share = (work + parts - 1) / parts;
+  const int64_t share = div_nonneg(work + parts - 1, parts);
   return busiest * 100 <= share * (100 + slack_pct);
 }
 
@@ -139,7 +149,7 @@ __device__ __forceinline__ bool within_share(int64_t busiest, int64_t work, int 
 // the largest request's load is an integer), so when that alone exceeds
 // the slack the schedulers skip counting the placement (same decision).
 __device__ __forceinline__ bool whole_requests_may_fit(int64_t work, int batch, int parts) {
-  return batch > 0 && within_share((work + batch - 1) / batch, work, parts, kWholeRequestSlackPct);
+  return batch > 0 && within_share(div_nonneg(work + batch - 1, batch), work, parts, kWholeRequestSlackPct);
 }
 
 // Whole requests in snake order, for lengths that differ: where placing
@@ -192,9 +202,9 @@ __device__ __forceinline__ ItemRange item_range(const RequestCut& c, int k, int6
     r.begin = k == 0 ? 0 : static_cast<int>(bound(r.part, work, parts) - c.first_block_pos);
     r.end = k == c.count - 1 ? c.n : static_cast<int>(bound(r.part + 1, work, parts) - c.first_block_pos);
   } else {  // capped or equal: equal pieces, each in the partition of its start or its own
-    r.begin = static_cast<int>(int64_t{k} * c.n / c.count);
-    r.end = static_cast<int>(int64_t{k + 1} * c.n / c.count);
-    r.part = c.p_first + static_cast<int>(int64_t{k} * c.natural / c.count);
+    r.begin = static_cast<int>(div_nonneg(int64_t{k} * c.n, c.count));
+    r.end = static_cast<int>(div_nonneg(int64_t{k + 1} * c.n, c.count));
+    r.part = c.p_first + static_cast<int>(div_nonneg(int64_t{k} * c.natural, c.count));
   }
   return r;
 }
