@@ -406,6 +406,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     } else if (tid < 32) {
       // Lane t reads tile t's block-table entry (the reads in flight
       // together, not one after another); lane 0 issues the tiles.
+      static_assert(kS <= 32, "one lane of warp 0 per stage");
       const int own_entry = lane < kS && lane < num_tiles ? fetch_entry(lane) : 0;
       int entries[kS];
 #pragma unroll
