@@ -484,7 +484,7 @@ def _snake_case_lengths(rng, parts, layout):
   n = -(-lens.astype(np.int64) // 64)
   load = n + 2
   work = int(load.sum())
-  assert min(-(-work // 3), parts) == parts  # the schedulers use all `parts` partitions
+  assert min(-(-work // 2), parts) == parts  # all `parts` partitions used (kMinPartWork 2)
   share = -(-work // parts)
   start = np.cumsum(load) - load  # a request's place on the work line
   first_block = np.where(n > 0, start + 2, start)  # (an empty request: its own place)

@@ -32,9 +32,12 @@ namespace smxx {
 constexpr int kSplitOverhead = 2;
 // Least work (blocks) worth a partition of its own: below it, a split's
 // fixed cost (query load, partial write, combine read) outweighs the
-// parallelism, so small batches use fewer partitions (the value was tuned
-// on one 4k request at 128 heads; docs/perf.md).
-constexpr int kMinPartWork = 3;
+// parallelism, so small batches use fewer partitions. 2 was faster than 3
+// on the small-batch rows measured and 4 no faster, for both kernels; 1
+// helped some seesaw rows and slowed the swap-AB ones (docs/perf.md, What
+// was tried).
+// Only lines shorter than kMinPartWork * num_parts see it.
+constexpr int kMinPartWork = 2;
 
 // num / den for num >= 0, den > 0: one 32-bit unsigned division where both
 // fit in 32 bits (the usual case: the schedule's work lines are short),
