@@ -22,9 +22,14 @@ Timing method (JAX has no public CUDA-event API): one jitted
 program runs the op n times back to back. Call i reads its own query copy
 (so XLA cannot merge two calls by CSE) and cache copy i % R, with R copies
 when one cache is small so that the rotation set exceeds 2x L2 (the data of
-a call is never warm in L2 from an earlier call). Call i+1's small operands
-pass through ``lax.optimization_barrier`` together with call i's result, which
-serialises the calls (one call's temporaries live at a time). Two programs,
+a call is never warm in L2 from an earlier call). Call i+1's query passes
+through ``lax.optimization_barrier`` together with call i's result, which
+serialises the calls (one call's temporaries live at a time). block_table and
+seq_lens are the same values in every call, as the layers of a decode step
+share them, so paged decode's schedule call runs once per program (counted
+as schedule_calls_in_hi), as FlashMLA computes its metadata once per step;
+for the XLA baseline they pass through the barrier as well, since its page
+gathers of one cache copy would otherwise merge. Two programs,
 n_lo and n_hi calls, take the same arguments; each repetition times both with
 ``block_until_ready`` and the wall clock, and the per-call time is the slope
 (t_hi - t_lo) / (n_hi - n_lo), which cancels the fixed dispatch/launch/sync
@@ -281,13 +286,18 @@ def device_slope(lo, hi, args, n_lo, n_hi, reps=3, gap_s=0.05):
   return dict(s=statistics.median(slopes), slopes=slopes, span_hi_s=statistics.median(spans[1::2]) * 1e-9)
 
 
-def chain_program(step, n, n_caches=1, feed=False):
+def chain_program(step, n, n_caches=1, feed=False, barrier_shared=False):
   """jit of n chained calls: prog(xs, caches, shared), call i = step(x_i, caches[i % n_caches], shared).
 
   x_i is xs[i] (every call has its own operand, so no two calls can be merged
-  by XLA's CSE) or, with ``feed``, call i-1's result. Call i+1's x and shared
-  operands pass through an optimization barrier together with call i's
-  result, which orders the calls (one call's temporaries live at a time).
+  by XLA's CSE) or, with ``feed``, call i-1's result. Call i+1's x passes
+  through an optimization barrier together with call i's result, which
+  orders the calls (one call's temporaries live at a time). The shared
+  operands are the same values in every call, as a decode step's layers
+  share block_table and seq_lens: what depends on them alone (paged decode's
+  schedule call) XLA computes once. ``barrier_shared`` passes them through
+  the barrier too (the XLA baseline: its page gather depends on the cache
+  copy and block_table only, and calls on the same copy would merge).
   Returns every result (only the last with ``feed``).
   """
   import jax
@@ -300,7 +310,10 @@ def chain_program(step, n, n_caches=1, feed=False):
       outs.append(o)
       if i + 1 < n:
         nxt = o if feed else xs[i + 1]
-        x, shared, _ = jax.lax.optimization_barrier((nxt, shared, o))
+        if barrier_shared:
+          x, shared, _ = jax.lax.optimization_barrier((nxt, shared, o))
+        else:
+          x, _ = jax.lax.optimization_barrier((nxt, o))
     return outs[-1] if feed else outs
   # keep_unused: the n_lo program gets the same arguments as the n_hi one, so
   # the fixed per-call dispatch cost cancels in the slope.
@@ -434,14 +447,18 @@ def run_backend(plan, data, n_lo, n_hi, reps, counts, ceil, target=None, device_
     return mla_jax.paged_decode(q, cache, block_table, seq_lens, plan=plan, return_lse=True)
 
   args = (tuple(qs[:n_hi]), tuple(caches), (bt, seq) if fresh_metadata else (bt_d, sl_d))
-  lo, c_lo = compile_prog(chain_program(step, n_lo, len(caches)), *args)
-  hi, c_hi = compile_prog(chain_program(step, n_hi, len(caches)), *args)
+  xla = plan.backend == "xla"
+  lo, c_lo = compile_prog(chain_program(step, n_lo, len(caches), barrier_shared=xla), *args)
+  hi, c_hi = compile_prog(chain_program(step, n_hi, len(caches), barrier_shared=xla), *args)
   res = dict(backend=plan.backend, n_lo=n_lo, n_hi=n_hi, reps=reps,
              compile_s=round(c_lo + c_hi, 3), fresh_metadata=fresh_metadata)
   if target:  # the op must appear once per call: detects merged (CSE'd) calls
     try:
-      k = hi.as_text().count(f'custom_call_target="{target}"')
+      text = hi.as_text()
+      k = text.count(f'custom_call_target="{target}"')
       res["custom_calls_in_hi"] = k
+      # paged decode's schedule call: once per program over shared metadata
+      res["schedule_calls_in_hi"] = text.count('custom_call_target="mla_jax_paged_decode_schedule_cuda')
       if k and k < n_hi:
         res["warning"] = f"only {k} custom calls for {n_hi} chained calls (merged?)"
     except Exception:  # noqa: BLE001 - text is diagnostics only
@@ -630,7 +647,8 @@ def bench_row(i, row, args, ceil, anchors, primary, target, t_budget, peer=None)
 NATIVE_METHOD = (
     "mla_jax_graph_us: the same kernels without XLA (benchmarks/native/decode_timing.cc, a separate "
     "process before this one), timed as flashmla_us is: n calls in one CUDA graph, replayed, slope "
-    "between n/2 and n by CUDA events; its own random data of the same shape and lengths (a row whose "
+    "between n/2 and n by CUDA events (the schedule computed once before, as in the jitted program); "
+    "its own random data of the same shape and lengths (a row whose "
     "token count differs from this run's or whose check failed gets no figure). "
     "jax_over_graph_us = mla_jax_us - mla_jax_graph_us: what the jitted program costs beyond the replayed kernels (launch gaps, host time the GPU does not hide, and run-to-run "
     "spread). host_prepare_us, host_tma_encode_us: the handler's per-call host work without launches.")
@@ -980,7 +998,8 @@ def main(argv=None):
               "copy (no CSE) and cache copy i % R (R copies cover >= 2x L2 when one cache is "
               "small); wall clock + block_until_ready; return_lse=True. "
               "block_table/seq_lens: " + ("resident on the device" if args.resident_metadata else
-                                          "fresh host buffers every execution") + ". "
+                                          "fresh host buffers every execution") + ", the same values "
+              "in every call of a program (as a step's layers share them: one schedule call per program). "
               "mla_jax_gpu_us: the same slope of the device spans in a profiler trace; host_us = "
               "mla_jax_us - mla_jax_gpu_us. flashmla_us: FlashMLA in this process, CUDA graph of n calls "
               "replayed, slope (benchmarks/flashmla_peer.py). "

@@ -36,17 +36,20 @@ struct Launch {
   int num_parts = 1;
 };
 
-// Resolves the configuration for this device and carves the workspace.
+// Resolves the configuration for this device and carves the workspace (and,
+// for ScheduleMode::kStep, the schedule operand: empty when the call has none).
 ffi::Error prepare(const char* op, DecodeOp kind, int device_ordinal, const PagedDecodeParams& p,
-                   const KernelAttrs& attrs, ffi::Result<ffi::AnyBuffer> workspace, Launch* launch) {
+                   const KernelAttrs& attrs, ffi::Result<ffi::AnyBuffer> workspace, const ffi::AnyBuffer* schedule,
+                   Launch* launch) {
   const DeviceInfo dev = device_info(device_ordinal);
   if (dev.status != cudaSuccess)
     return internal_error(op, std::string("cannot query the CUDA device: ") + cudaGetErrorString(dev.status));
   if (attrs.workspace_parts < 1 || attrs.workspace_parts > (int64_t{1} << 20))
     return invalid_argument(op, "workspace_parts must be in [1, 2^20], got " + std::to_string(attrs.workspace_parts));
 
-  const DecodeFacts f = call_facts(kind, p, dev.arch, dev.sm_count, build_has_sm90a(),
-                                   static_cast<int>(attrs.workspace_parts));
+  DecodeFacts f = call_facts(kind, p, dev.arch, dev.sm_count, build_has_sm90a(),
+                             static_cast<int>(attrs.workspace_parts));
+  f.schedule_operand = schedule != nullptr && schedule->size_bytes() > 0;
   // On the device the configuration was chosen for, it only needs
   // checking; a fact that turns out otherwise than assumed at trace time
   // (a build without sm_90a code, a cache beyond TMA's range) or another
@@ -72,6 +75,17 @@ ffi::Error prepare(const char* op, DecodeOp kind, int device_ordinal, const Page
                                     std::to_string(workspace->size_bytes()) + " bytes, needs " +
                                     std::to_string(layout.total) + ")");
   launch->ws = carve_workspace(base, layout);
+  if (launch->config.schedule == ScheduleMode::kStep) {
+    // Written by the op's schedule call over this call's block_table and
+    // seq_lens with the same workspace_parts (mla_jax/paged_decode.py).
+    char* sched = static_cast<char*>(schedule->untyped_data());
+    if (schedule->size_bytes() < static_cast<size_t>(schedule_bytes(layout)) ||
+        reinterpret_cast<uintptr_t>(sched) % 16 != 0)
+      return invalid_argument(op, "the schedule operand is too small or misaligned for this call (" +
+                                      std::to_string(schedule->size_bytes()) + " bytes, needs " +
+                                      std::to_string(schedule_bytes(layout)) + ")");
+    carve_schedule(sched, layout, &launch->ws);
+  }
   launch->num_parts = num_partitions(dev.sm_count, rows, static_cast<int>(attrs.workspace_parts));
   return ffi::Error::Success();
 }
@@ -99,7 +113,8 @@ using F32Result = ffi::Result<ffi::Buffer<ffi::F32>>;
 ffi::Error paged_decode_cuda_impl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer q_nope,
                                   ffi::AnyBuffer q_pe, ffi::AnyBuffer ckv, ffi::AnyBuffer kpe,
                                   ffi::Buffer<ffi::S32> block_table, ffi::Buffer<ffi::S32> seq_lens,
-                                  ffi::Buffer<ffi::F32> kv_scale, ffi::Result<ffi::AnyBuffer> out, F32Result lse,
+                                  ffi::Buffer<ffi::F32> kv_scale, ffi::AnyBuffer schedule,
+                                  ffi::Result<ffi::AnyBuffer> out, F32Result lse,
                                   ffi::Result<ffi::AnyBuffer> workspace, float sm_scale, bool causal,
                                   int64_t kv_lora_rank, int64_t qk_rope_head_dim, int64_t max_num_splits,
                                   std::string_view kernel_config, std::string_view kernel_request,
@@ -114,7 +129,7 @@ ffi::Error paged_decode_cuda_impl(cudaStream_t stream, int32_t device_ordinal, f
   Launch run;
   err = prepare(kPagedDecodeOp, DecodeOp::kPaged, device_ordinal, params,
                 {kernel_config, kernel_request, selected_for_arch, selected_for_sm_count, workspace_parts}, workspace,
-                &run);
+                &schedule, &run);
   if (err.failure()) return err;
   return launch_status(kPagedDecodeOp, run,
                        run_paged_decode(params, run.ws, run.config, run.num_parts, static_cast<int>(max_num_splits),
@@ -137,12 +152,77 @@ ffi::Error sparse_decode_cuda_impl(cudaStream_t stream, int32_t device_ordinal, 
   Launch run;
   err = prepare(kSparseDecodeOp, DecodeOp::kSparse, device_ordinal, params,
                 {kernel_config, kernel_request, selected_for_arch, selected_for_sm_count, workspace_parts}, workspace,
-                &run);
+                /*schedule=*/nullptr, &run);
   if (err.failure()) return err;
   return launch_status(kSparseDecodeOp, run, run_sparse_decode(params, run.ws, run.config, run.num_parts, stream));
 }
 
+// Paged decode's schedule (ScheduleMode::kStep): the scheduler kernel over
+// block_table's width and seq_lens, into a buffer laid out as the tail of the
+// decode's workspace (schedule_bytes). Pure: XLA runs it once for all the
+// decode calls of a program over the same metadata and attributes.
+ffi::Error paged_decode_schedule_cuda_impl(cudaStream_t stream, int32_t device_ordinal,
+                                           ffi::Buffer<ffi::S32> block_table, ffi::Buffer<ffi::S32> seq_lens,
+                                           ffi::Result<ffi::AnyBuffer> schedule, int64_t q_len, int64_t num_heads,
+                                           int64_t page_size, int64_t max_num_splits, int64_t workspace_parts) {
+  constexpr const char* op = kPagedDecodeScheduleOp;
+  const auto bt = block_table.dimensions();
+  const auto sl = seq_lens.dimensions();
+  if (bt.size() != 2 || sl.size() != 1 || bt[0] != sl[0])
+    return invalid_argument(op, "expected block_table [B, max_pages] and seq_lens [B]");
+  if (q_len < 1 || num_heads < 1 || q_len * num_heads > (int64_t{1} << 20) || page_size < 1 ||
+      page_size > (int64_t{1} << 20) || bt[1] > INT32_MAX / page_size || bt[0] > INT32_MAX)
+    return invalid_argument(op, "q_len, num_heads, page_size or the block table's shape out of range");
+  if (max_num_splits < 0 || max_num_splits > INT32_MAX)
+    return invalid_argument(op, "max_num_splits must be >= 0, got " + std::to_string(max_num_splits));
+  if (workspace_parts < 1 || workspace_parts > (int64_t{1} << 20))
+    return invalid_argument(op, "workspace_parts must be in [1, 2^20], got " + std::to_string(workspace_parts));
+  const DeviceInfo dev = device_info(device_ordinal);
+  if (dev.status != cudaSuccess)
+    return internal_error(op, std::string("cannot query the CUDA device: ") + cudaGetErrorString(dev.status));
+  const int64_t rows = q_len * num_heads;
+  const WorkspaceLayout layout = workspace_layout(bt[0], rows, 0, workspace_parts);
+  char* base = static_cast<char*>(schedule->untyped_data());
+  if (schedule->size_bytes() < static_cast<size_t>(schedule_bytes(layout)) ||
+      reinterpret_cast<uintptr_t>(base) % 16 != 0 || layout.max_items > INT32_MAX)
+    return invalid_argument(op, "the schedule result is too small or misaligned (" +
+                                    std::to_string(schedule->size_bytes()) + " bytes, needs " +
+                                    std::to_string(schedule_bytes(layout)) + ")");
+  PagedDecodeParams p;
+  p.batch = static_cast<int>(bt[0]);
+  p.q_len = static_cast<int>(q_len);
+  p.num_heads = static_cast<int>(num_heads);
+  p.page_size = static_cast<int>(page_size);
+  p.max_pages_per_seq = static_cast<int>(bt[1]);
+  p.block_table = block_table.typed_data();
+  p.seq_lens = seq_lens.typed_data();
+  DecodeWorkspace ws;
+  ws.max_items = static_cast<int>(layout.max_items);
+  ws.item_regions = layout.item_regions;
+  carve_schedule(base, layout, &ws);
+  // The same partitions as the decode calls: num_partitions of this device
+  // with the same workspace_parts (cuda_handlers prepare()).
+  const int parts = num_partitions(dev.sm_count, rows, static_cast<int>(workspace_parts));
+  const cudaError_t err = run_decode_schedule(p, ws, parts, static_cast<int>(max_num_splits), stream);
+  if (err != cudaSuccess) return internal_error(op, std::string("kernel launch failed: ") + cudaGetErrorString(err));
+  return ffi::Error::Success();
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedDecodeScheduleCuda, paged_decode_schedule_cuda_impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // block_table [B, max_pages] (its width is read)
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // seq_lens [B]
+                                  .Ret<ffi::AnyBuffer>()         // schedule (uint8, schedule_bytes)
+                                  .Attr<int64_t>("q_len")
+                                  .Attr<int64_t>("num_heads")
+                                  .Attr<int64_t>("page_size")
+                                  .Attr<int64_t>("max_num_splits")
+                                  .Attr<int64_t>("workspace_parts"),
+                              {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedDecodeCuda, paged_decode_cuda_impl,
                               ffi::Ffi::Bind()
@@ -155,6 +235,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedDecodeCuda, paged_decode_cuda_impl,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // block_table
                                   .Arg<ffi::Buffer<ffi::S32>>()  // seq_lens
                                   .Arg<ffi::Buffer<ffi::F32>>()  // kv_scale
+                                  .Arg<ffi::AnyBuffer>()         // schedule (uint8; empty: none)
                                   .Ret<ffi::AnyBuffer>()         // out
                                   .Ret<ffi::Buffer<ffi::F32>>()  // lse
                                   .Ret<ffi::AnyBuffer>()         // workspace (uint8, workspace_layout)

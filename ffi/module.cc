@@ -56,6 +56,7 @@ std::tuple<std::string, std::string, std::string> select_kernel_py(const nb::dic
   f.sm_count = get<int>(facts, "sm_count", 0);
   f.build_sm90a = get<bool>(facts, "build_sm90a", false);
   f.workspace_parts = get<int>(facts, "workspace_parts", kMaxSupportedSmCount);
+  f.schedule_operand = get<bool>(facts, "schedule_operand", false);
   std::string explanation;
   const Selection sel = select_kernel(f, want, &explanation);
   return {format_config(sel.config), sel.error, explanation};
@@ -73,7 +74,8 @@ NB_MODULE(_mla_jax_ext, m) {
   m.def("cuda_registrations", []() {
     nb::dict d;
 #ifdef MLA_JAX_WITH_CUDA
-    d["mla_jax_paged_decode_cuda_v2"] = encapsulate(mla_jax::PagedDecodeCuda);
+    d["mla_jax_paged_decode_cuda_v3"] = encapsulate(mla_jax::PagedDecodeCuda);
+    d["mla_jax_paged_decode_schedule_cuda_v1"] = encapsulate(mla_jax::PagedDecodeScheduleCuda);
     d["mla_jax_sparse_decode_cuda_v2"] = encapsulate(mla_jax::SparseDecodeCuda);
 #endif
     return d;
@@ -102,6 +104,10 @@ NB_MODULE(_mla_jax_ext, m) {
   m.def("select_kernel", &select_kernel_py, nb::arg("facts"), nb::arg("request"));
   m.def("workspace_size", [](int64_t rows, int64_t dv, int64_t parts) {
     const mla_jax::WorkspaceSize s = mla_jax::workspace_size(rows, dv, parts);
+    return std::make_tuple(s.per_request, s.fixed);
+  });
+  m.def("schedule_size", [](int64_t rows, int64_t parts) {
+    const mla_jax::WorkspaceSize s = mla_jax::schedule_size(rows, parts);
     return std::make_tuple(s.per_request, s.fixed);
   });
   m.def("max_supported_sm_count", []() { return mla_jax::kMaxSupportedSmCount; });

@@ -53,6 +53,9 @@ class OpSpec:
   dv: Callable              # Call -> output width
   cache_operands: tuple     # operand indices with a leading page axis (context parallelism)
   context: Callable         # (op_local, Call, *operands) -> (out, lse): one device's share, merged
+  # (Call, operands, Selection) -> extra operands of the CUDA call after the
+  # op's own (paged decode: its schedule); None: none.
+  cuda_extra: Callable | None = None
 
 
 def _out_types(q_nope, dv):
@@ -86,7 +89,7 @@ def _varying_axes(x) -> frozenset:
   return frozenset(mat.varying if mat is not None else getattr(aval, "vma", ()))
 
 
-def _varying_like_inputs(outs, args):
+def varying_like_inputs(outs, args):
   """ffi_call results carry no varying-manual-axes type; inside shard_map
   they must vary like the inputs (else lax.platform_dependent refuses to join
   them with the pure-JAX branch, and the types would claim replication)."""
@@ -104,17 +107,18 @@ def select_cuda(spec: OpSpec, call: Call, args, device=kernels.VISIBLE) -> kerne
 
 def _cuda_call(spec: OpSpec, call: Call, *args):
   sel = select_cuda(spec, call, args)
+  extra = tuple(spec.cuda_extra(call, args, sel)) if spec.cuda_extra is not None else ()
   res = jax.ffi.ffi_call(spec.cuda_target, _out_types(args[0], spec.dv(call)) + (sel.workspace,),
-                         input_layouts=operand_layouts(call.q_axis_added, len(args)))(
-      *args, **spec.attrs(call), **spec.cuda_attrs(call), **sel.attrs)
-  return _varying_like_inputs(res[:2], args)
+                         input_layouts=operand_layouts(call.q_axis_added, len(args) + len(extra)))(
+      *args, *extra, **spec.attrs(call), **spec.cuda_attrs(call), **sel.attrs)
+  return varying_like_inputs(res[:2], args)
 
 
 def _cpu_call(spec: OpSpec, call: Call, *args):
   res = jax.ffi.ffi_call(spec.cpu_target, _out_types(args[0], spec.dv(call)),
                          input_layouts=operand_layouts(call.q_axis_added, len(args)))(
       *args, **spec.attrs(call))
-  return _varying_like_inputs(tuple(res), args)
+  return varying_like_inputs(tuple(res), args)
 
 
 def _local(spec: OpSpec, call: Call, *args):

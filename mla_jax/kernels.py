@@ -24,7 +24,7 @@ import numpy as np
 from . import _ffi
 
 KERNELS = ("auto", "portable", "sm90_lockstep", "sm90_seesaw", "sm90_swapab")
-SCHEDULES = ("auto", "kernel", "inline", "block")
+SCHEDULES = ("auto", "kernel", "inline", "block", "step")
 COMBINE_GRIDS = ("auto", "block", "rows", "slices")
 
 # ElemType and KvFormat of csrc/common/mla_params.h.
@@ -56,10 +56,14 @@ class KernelChoice:
       ``float8_e4m3fn`` cache, ``page_size`` a multiple of 64, at most 32
       query rows per request; sparse decode over ``fp8_ds_mla`` with a bf16
       query and at most 32 heads).
-    schedule: who computes the split-KV schedule: "auto", "kernel" (the
-      scheduler kernel, before the decode), "inline" (one warp of every
-      seesaw or swap-AB CTA, up to 32 requests) or "block" (every seesaw
-      CTA).
+    schedule: who computes the split-KV schedule: "auto", "step" (paged
+      decode: a call of its own before the decode, which XLA runs once for
+      all the decode calls of an unrolled program over the same
+      ``block_table`` and ``seq_lens``, as FlashMLA's metadata is computed
+      once per step; auto above 32 requests),
+      "kernel" (the scheduler kernel, before each decode), "inline" (one
+      warp of every seesaw or swap-AB CTA, up to 32 requests) or "block"
+      (every seesaw CTA).
     combine_grid: the combine kernel's grid: "auto", "block", "rows" or
       "slices".
     programmatic_combine: launch the combine with programmatic dependent
@@ -148,11 +152,14 @@ class Selection:
 
 
 def facts(*, op: str, q_dtype, kv_dtype, kv_format: str, kv_lora_rank: int, qk_rope_head_dim: int,
-          page_size: int, q_len: int, num_heads: int, batch, num_pages, topk: int = 0) -> dict:
+          page_size: int, q_len: int, num_heads: int, batch, num_pages, topk: int = 0,
+          schedule_operand: bool = False) -> dict:
   """The static facts select_kernel takes (DecodeFacts in csrc/dispatch/select.h).
 
   topk: sparse decode's top-k entries per query token: required (>= 1) for
     op="sparse", whose kernel choice depends on it; 0 for paged decode.
+  schedule_operand: the CUDA call takes a schedule computed by a call of its
+    own (paged decode), which makes schedule "step" possible.
   """
   if op == "sparse" and int(topk) < 1:
     raise ValueError(f"facts: sparse decode needs topk >= 1 (its kernel choice depends on it), got {topk}")
@@ -160,7 +167,7 @@ def facts(*, op: str, q_dtype, kv_dtype, kv_format: str, kv_lora_rank: int, qk_r
               kv_format=KV_FORMAT_CODES[kv_format], kv_lora_rank=int(kv_lora_rank),
               qk_rope_head_dim=int(qk_rope_head_dim), page_size=int(page_size), q_len=int(q_len),
               num_heads=int(num_heads), batch=_static(batch), num_pages=_static(num_pages),
-              topk=int(topk))
+              topk=int(topk), schedule_operand=bool(schedule_operand))
 
 
 VISIBLE = "visible"  # select()'s default device: the CUDA device JAX sees, if any

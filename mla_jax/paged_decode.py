@@ -38,12 +38,31 @@ def _facts(call: _op.Call, args):
   b, q, h = q_nope.shape[:3]
   return kernels.facts(op="paged", q_dtype=q_nope.dtype, kv_dtype=ckv.dtype, kv_format="bf16",
                        kv_lora_rank=plan.kv_lora_rank, qk_rope_head_dim=plan.qk_rope_head_dim,
-                       page_size=plan.page_size, q_len=q, num_heads=h, batch=b, num_pages=ckv.shape[0])
+                       page_size=plan.page_size, q_len=q, num_heads=h, batch=b, num_pages=ckv.shape[0],
+                       schedule_operand=True)
 
 
 def _kernel_shape(call: _op.Call, q_nope):
   b, q, h = q_nope.shape[:3]
   return b, q * h
+
+
+def _schedule(call: _op.Call, args, sel: kernels.Selection):
+  """The CUDA call's schedule operand: with schedule "step", the result of
+  the schedule call over block_table and seq_lens (pure, so XLA runs one for
+  every decode call of an unrolled program with the same metadata and
+  attributes; inside a lax.scan it stays in the loop body); otherwise an
+  empty buffer (the decode schedules itself)."""
+  if sel.config.schedule != "step":
+    return (jnp.zeros((0,), jnp.uint8),)
+  q_nope, block_table, seq_lens = args[0], args[4], args[5]
+  b, q, h = q_nope.shape[:3]
+  parts = sel.attrs["workspace_parts"]
+  per_request, fixed = _ffi.ext().schedule_size(q * h, parts)
+  sched = jax.ffi.ffi_call(_ffi.SCHEDULE_CUDA_TARGET, jax.ShapeDtypeStruct((per_request * b + fixed,), jnp.uint8))(
+      block_table, seq_lens, q_len=int(q), num_heads=int(h), page_size=int(call.plan.page_size),
+      max_num_splits=int(call.plan.max_num_splits or 0), workspace_parts=int(parts))
+  return _op.varying_like_inputs((sched,), (block_table, seq_lens))
 
 
 def _xla(call: _op.Call, *args):
@@ -68,6 +87,7 @@ SPEC = _op.OpSpec(
     dv=lambda c: c.plan.kv_lora_rank,
     cache_operands=(2, 3),  # ckv, kpe
     context=_context.paged_decode_local,
+    cuda_extra=_schedule,
 )
 
 

@@ -90,7 +90,9 @@ def _child(out_path, choice=""):
 
   choice: "on" or "off" forces the combine's launch
   (KernelChoice.programmatic_combine); a kernel name ("portable",
-  "sm90_lockstep") forces that decode kernel; empty: the plan's default."""
+  "sm90_lockstep") forces that decode kernel after the scheduler kernel
+  (schedule "kernel"); empty: the plan's default (schedule "step": the
+  schedule call, then the decode)."""
   import jax
   import jax.numpy as jnp
 
@@ -99,8 +101,10 @@ def _child(out_path, choice=""):
 
   if choice in ("on", "off"):
     kernel = mla_jax.KernelChoice(programmatic_combine=choice == "on")
+  elif choice:
+    kernel = mla_jax.KernelChoice(kernel=choice, schedule="kernel")
   else:
-    kernel = choice or "auto"
+    kernel = "auto"
   plan = mla_jax.DecodePlan(num_heads=H, page_size=PAGE, sm_scale=SM_SCALE, backend="auto", kernel=kernel)
   inputs, _ = trajectory()
   bf = lambda x: jnp.asarray(x, jnp.bfloat16)

@@ -177,8 +177,9 @@ def kernel_choice(request):
   """Runs a test with each kernel that can serve 64-row blocks on sm_90,
   forced through the plan: the default (the seesaw wgmma kernel where the
   cache loads with TMA, i.e. page_size a multiple of 64, else the lock-step
-  wgmma kernel; the seesaw schedules its own splits), schedule "kernel"
-  (the same with the scheduler kernel for every batch), "sm90_lockstep"
+  wgmma kernel; its own schedule up to 32 requests, above that the op's
+  schedule call, schedule "step"), schedule "kernel"
+  (the same with the scheduler kernel before each decode), "sm90_lockstep"
   (the lock-step kernel everywhere, TMA or cp.async loads; fewer than 64
   rows in one zero-filled block) and "portable" (the
   mma.sync kernel). Yields rows -> KernelChoice for a call with `rows`
@@ -213,14 +214,19 @@ def test_64_row_blocks_both_kernels(kernel_choice, heads, q_len, page_size, dtyp
   _check(*_run(d, plan, dtype))
 
 
-def _check_same_bits_with_scheduler_kernel(d, plan):
-  # The kernel's own schedule against the scheduler kernel's (schedule
-  # "kernel"): checked against the reference, then bit for bit.
+def _check_same_bits_with_scheduler_kernel(d, plan, own="block"):
+  # The decode kernel's own schedule (`own`: "inline" or "block", computed by
+  # the seesaw CTAs on sm_90; elsewhere the scheduler kernel's) and schedule
+  # "step" (the op's schedule call, paged decode's default) against the
+  # scheduler kernel before the decode (schedule "kernel"): checked against
+  # the reference, then bit for bit.
+  own = own if _hopper_kernels_available() else "kernel"
   results = [_run(d, dataclasses.replace(plan, kernel=KernelChoice(schedule=schedule)), jnp.bfloat16)
-             for schedule in ("auto", "kernel")]
+             for schedule in (own, "step", "kernel")]
   _check(*results[0])
-  np.testing.assert_array_equal(results[0][0], results[1][0])
-  np.testing.assert_array_equal(results[0][1], results[1][1])
+  for other in results[1:]:
+    np.testing.assert_array_equal(results[0][0], other[0])
+    np.testing.assert_array_equal(results[0][1], other[1])
 
 
 @pytest.mark.parametrize("heads,max_num_splits,num_requests", [
@@ -238,7 +244,7 @@ def test_inline_schedule_matches_scheduler_kernel_bitwise(heads, max_num_splits,
   d = random_paged_inputs(rng, lens, num_heads=heads, page_size=64)
   plan = mla_jax.DecodePlan(num_heads=heads, page_size=64, sm_scale=SM_SCALE, backend="cuda",
                             max_num_splits=max_num_splits)
-  _check_same_bits_with_scheduler_kernel(d, plan)
+  _check_same_bits_with_scheduler_kernel(d, plan, own="inline")
 
 
 @pytest.mark.parametrize("heads,q_len,lens,max_num_splits", [

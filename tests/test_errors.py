@@ -505,7 +505,7 @@ DATA_MOVEMENT = re.compile(
 ENTRY_ALLOWED = {"parameter", "constant", "bitcast", "custom-call", "get-tuple-element", "tuple",
                  "call"}
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%(\S+)\s=\s.*?\s([a-z][\w\-]*)\((.*)$")
-KERNEL_TARGETS = {"cpu": "mla_jax_paged_decode_cpu", "cuda": "mla_jax_paged_decode_cuda_v2"}
+KERNEL_TARGETS = {"cpu": "mla_jax_paged_decode_cpu", "cuda": "mla_jax_paged_decode_cuda_v3"}
 
 
 def hlo_computations(hlo: str):
@@ -672,7 +672,7 @@ _CALL_HLO = """HloModule m, entry_computation_layout={(bf16[2,2,4,576]{3,2,1,0})
   %p2 = s32[2,2]{1,0} parameter(2)
   %p3 = s32[2]{0} parameter(3)
   %p4 = f32[1]{0} parameter(4)
-  ROOT %cc = (bf16[2,2,4,512]{3,2,1,0}, f32[2,2,4]{2,1,0}) custom-call(%p0, %p0, %p1, %p1, %p2, /*index=5*/%p3, %p4), custom_call_target="mla_jax_paged_decode_cuda_v2"
+  ROOT %cc = (bf16[2,2,4,512]{3,2,1,0}, f32[2,2,4]{2,1,0}) custom-call(%p0, %p0, %p1, %p1, %p2, /*index=5*/%p3, %p4), custom_call_target="mla_jax_paged_decode_cuda_v3"
 }
 
 ENTRY %main (q: bf16[2,2,4,576], kv: bf16[6,16,576], bt: s32[2,2], sl: s32[2]) -> (bf16[2,2,4,512], f32[2,2,4]) {

@@ -38,17 +38,18 @@ def _explain_paged(batch, heads, page_size, q_len=1, kernel="auto", device=H200,
 
 @needs_sm90a
 @pytest.mark.parametrize("batch,heads,page_size,q_len,want", [
+    # schedule "step" (paged decode's own schedule call) above 32 requests;
     # combine grid: "block" below 2048 (request, row) pairs with >= 32 partitions
     # per request (132 SMs / 64-row blocks), else "slices" below 1024 pairs, else "rows"
     (4, 128, 64, 1, KernelChoice("sm90_seesaw", "inline", "slices", False)),
-    (64, 16, 64, 1, KernelChoice("sm90_seesaw", "block", "rows", True)),
-    (128, 128, 64, 2, KernelChoice("sm90_seesaw", "block", "rows", True)),
+    (64, 16, 64, 1, KernelChoice("sm90_seesaw", "step", "rows", True)),
+    (128, 128, 64, 2, KernelChoice("sm90_seesaw", "step", "rows", True)),
     (1, 16, 256, 1, KernelChoice("sm90_seesaw", "inline", "block", False)),
     (4, 128, 16, 1, KernelChoice("sm90_lockstep", "kernel", "slices", False)),
     (4, 16, 2, 4, KernelChoice("sm90_lockstep", "kernel", "block", False)),   # 64 rows: q_len x heads
     (4, 16, 16, 1, KernelChoice("portable", "kernel", "block", False)),
     (4, 32, 32, 1, KernelChoice("portable", "kernel", "block", False)),
-    (40, 32, 32, 1, KernelChoice("portable", "kernel", "rows", False)),
+    (40, 32, 32, 1, KernelChoice("portable", "step", "rows", False)),
 ])
 def test_hopper_capability_table(batch, heads, page_size, q_len, want):
   got = _explain_paged(batch, heads, page_size, q_len)
@@ -200,16 +201,24 @@ def test_forced_choice_that_cannot_serve_the_call_is_a_trace_time_error(kernel, 
 
 @needs_sm90a
 def test_swapab_schedules_small_batches_itself():
-  # Up to 32 requests one warp of every swap-AB CTA schedules; above, the
-  # scheduler kernel runs first; the block schedule is the seesaw kernel's.
+  # Up to 32 requests one warp of every swap-AB CTA schedules; above, paged
+  # decode takes its schedule from its own call ("step"), and without that
+  # operand (sparse decode; the facts of a direct call) the scheduler kernel
+  # runs first; the block schedule is the seesaw kernel's.
   plan = mla_jax.DecodePlan(num_heads=16, page_size=64, sm_scale=SM_SCALE, backend="cuda")
   fp8 = lambda batch: _paged(batch, 16, 64, kv_dtype=jnp.float8_e4m3fn)
   scale = dict(kv_scale=jax.ShapeDtypeStruct((), jnp.float32), device=H200)
-  for batch, want in ((1, "inline"), (32, "inline"), (33, "kernel"), (128, "kernel")):
+  for batch, want in ((1, "inline"), (32, "inline"), (33, "step"), (128, "step")):
     got = mla_jax.explain(plan, *fp8(batch), **scale)
     assert (got.kernel.kernel, got.kernel.schedule) == ("sm90_swapab", want), str(got)
-  got = mla_jax.explain(plan, *fp8(40), **scale)
-  assert any("more than sm90_swapab schedules itself" in line for line in got.reasons), str(got)
+  f = dict(op="paged", q_dtype=jnp.bfloat16, kv_dtype=jnp.float8_e4m3fn, kv_format="bf16", kv_lora_rank=512,
+           qk_rope_head_dim=64, page_size=64, q_len=1, num_heads=16, num_pages=20)
+  for batch, want in ((1, "inline"), (32, "inline"), (33, "kernel"), (128, "kernel")):
+    got = mla_jax.kernels.select(mla_jax.kernels.facts(**f, batch=batch), KernelChoice(), requests=batch, rows=16,
+                                 dv=512, device=H200)
+    assert (got.config.kernel, got.config.schedule) == ("sm90_swapab", want), got
+    if batch == 33:
+      assert any("more than sm90_swapab schedules itself" in line for line in got.explanation), got
   forced = dataclasses.replace(plan, kernel=KernelChoice(kernel="sm90_swapab", schedule="inline"))
   assert mla_jax.explain(forced, *fp8(8), **scale).kernel.schedule == "inline"
   with pytest.raises(ValueError, match="at most 32 requests"):
@@ -255,7 +264,7 @@ def test_symbolic_batch_leaves_batch_dependent_fields_open():
   args = (jax.ShapeDtypeStruct((b, 128, 576), jnp.bfloat16), jax.ShapeDtypeStruct((50, 64, 576), jnp.bfloat16),
           jax.ShapeDtypeStruct((b, 8), jnp.int32), jax.ShapeDtypeStruct((b,), jnp.int32))
   got = mla_jax.explain(plan, *args, device=H200)
-  assert got.kernel == KernelChoice(kernel="sm90_seesaw"), str(got)
+  assert got.kernel == KernelChoice(kernel="sm90_seesaw", schedule="step"), str(got)
 
 
 @pytest.mark.parametrize("bad", [dict(kernel="sm90"), dict(schedule="warp"), dict(combine_grid="slice"),

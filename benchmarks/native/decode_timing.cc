@@ -10,12 +10,18 @@
 // underestimate.
 //
 //   mla_jax_decode_timing [--rows "B,Q,H,SEQ[,v|,@FILE];..."] [--request CONFIG] [--splits N]
-//                         [--fp8] [--normal-data] [--own-outputs] [--l2-mb M] [--reps N] [--json PATH]
+//                         [--fp8] [--normal-data] [--own-outputs] [--no-schedule-operand] [--l2-mb M]
+//                         [--reps N] [--json PATH]
 //
 // --request: the plan's kernel configuration ("kernel,schedule,combine,
 // programmatic" as mla_jax.KernelChoice names them; default all auto),
 // resolved by select_kernel as a trace would; --splits: max_num_splits
-// (default 0, the scheduler's choice); --normal-data fills the query and
+// (default 0, the scheduler's choice). The calls carry a schedule operand
+// as mla_jax.paged_decode's do, so above 32 requests auto picks schedule
+// "step": the schedule is computed once before the timed calls, as XLA runs
+// one schedule call for every decode call of a program over the same metadata;
+// --no-schedule-operand leaves it out (the decode schedules itself, as a
+// call without the op's schedule call would). --normal-data fills the query and
 // cache from std::normal_distribution instead of the faster sum of four
 // uniforms; --own-outputs gives every call its own output, LSE and
 // workspace (as XLA does) instead of one set the calls share; --fp8 stores
@@ -178,6 +184,7 @@ struct Dev {
 struct HostPath {
   std::string request_attr, config_attr;
   int arch, sm_count, workspace_parts;
+  bool schedule_operand;
 };
 
 struct Prepared {
@@ -196,7 +203,8 @@ Prepared prepare(const HostPath& h, const PagedDecodeParams& p, char* workspace)
     out.error = why;
     return out;
   }
-  const DecodeFacts f = call_facts(DecodeOp::kPaged, p, h.arch, h.sm_count, build_has_sm90a(), h.workspace_parts);
+  DecodeFacts f = call_facts(DecodeOp::kPaged, p, h.arch, h.sm_count, build_has_sm90a(), h.workspace_parts);
+  f.schedule_operand = h.schedule_operand;
   Selection sel = select_kernel(f, chosen);
   if (!sel.error.empty()) sel = select_kernel(f, request);
   if (!sel.error.empty() || !sel.config.resolved()) {
@@ -223,6 +231,9 @@ struct Options {
   bool normal_data = false;  // std::normal_distribution values (slower to fill)
   bool fp8 = false;          // float8_e4m3fn cache with kv_scale kFp8Scale
   bool own_outputs = false;  // every call its own output, LSE and workspace, as XLA gives them
+  // The calls carry a schedule operand, as mla_jax.paged_decode's CUDA calls
+  // do: schedule "step" is possible (auto picks it above 32 requests).
+  bool schedule_operand = true;
   double l2_bytes = 60e6;    // the rotation of cache copies covers twice this
 };
 
@@ -341,15 +352,16 @@ Result run_row(const Row& row, int index, const Options& opt, const DeviceInfo& 
   // picks with the device known, and the plan's request (all auto).
   const int64_t rows = int64_t{row.q} * row.h;
   const int workspace_parts = std::max<int>(1, dev.sm_count / static_cast<int>((rows + 63) / 64));
-  const DecodeFacts facts = call_facts(DecodeOp::kPaged, params[0], dev.arch, dev.sm_count, build_has_sm90a(),
-                                       workspace_parts);
+  DecodeFacts facts = call_facts(DecodeOp::kPaged, params[0], dev.arch, dev.sm_count, build_has_sm90a(),
+                                 workspace_parts);
+  facts.schedule_operand = opt.schedule_operand;
   const Selection chosen = select_kernel(facts, opt.request);
   if (!chosen.error.empty()) {
     std::fprintf(stderr, "%s: no kernel: %s\n", row.name().c_str(), chosen.error.c_str());
     std::exit(2);
   }
   const HostPath host{format_config(opt.request), format_config(chosen.config), dev.arch, dev.sm_count,
-                      workspace_parts};
+                      workspace_parts, opt.schedule_operand};
   const WorkspaceLayout layout = workspace_layout(facts.requests(), facts.rows(), kDn, workspace_parts);
   std::vector<Dev*> wss;
   for (int i = 0; i < n_out; ++i) wss.push_back(new Dev(static_cast<size_t>(layout.total)));
@@ -363,6 +375,18 @@ Result run_row(const Row& row, int index, const Options& opt, const DeviceInfo& 
     }
     CUDA_OK(run_paged_decode(params[i], pr.ws, pr.config, pr.parts, opt.max_num_splits, stream));
   };
+  // Schedule "step": the schedule is computed once, before every timed call,
+  // as XLA runs one schedule call for all the decode calls of a program over
+  // the same metadata; each workspace holds it at the offset the op's
+  // schedule buffer maps to (carve_schedule at layout.items).
+  if (chosen.config.schedule == ScheduleMode::kStep) {
+    for (int i = 0; i < n_out; ++i) {
+      const Prepared pr = prepare(host, params[i], ws_of(i));
+      if (!pr.ok) std::exit(2);
+      CUDA_OK(run_decode_schedule(params[i], pr.ws, pr.parts, opt.max_num_splits, stream));
+    }
+    CUDA_OK(cudaStreamSynchronize(stream));
+  }
 
   // Host costs, per call. The handler's preparation and the TMA encoding
   // alone (no GPU work), then whole dispatches enqueued behind a busy GPU.
@@ -526,6 +550,7 @@ int main(int argc, char** argv) {
     else if (a == "--normal-data") opt.normal_data = true;
     else if (a == "--fp8") opt.fp8 = true;
     else if (a == "--own-outputs") opt.own_outputs = true;
+    else if (a == "--no-schedule-operand") opt.schedule_operand = false;
     else if (a == "--l2-mb" && i + 1 < argc) opt.l2_bytes = std::max(0.0, std::atof(argv[++i])) * 1e6;
     else if (a == "--splits" && i + 1 < argc) opt.max_num_splits = std::max(0, std::atoi(argv[++i]));
     else if (a == "--request" && i + 1 < argc) {
@@ -538,7 +563,8 @@ int main(int argc, char** argv) {
     else if (a == "--json" && i + 1 < argc) json_path = argv[++i];
     else {
       std::fprintf(stderr, "usage: %s [--rows \"B,Q,H,SEQ[,v|,@FILE];...\"] [--request CONFIG] [--splits N] [--reps N] "
-                   "[--fp8] [--normal-data] [--own-outputs] [--l2-mb M] [--json PATH]\n", argv[0]);
+                   "[--fp8] [--normal-data] [--own-outputs] [--no-schedule-operand] [--l2-mb M] [--json PATH]\n",
+                   argv[0]);
       return 2;
     }
   }

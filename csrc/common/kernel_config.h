@@ -32,6 +32,11 @@ enum class ScheduleMode : int {
   kSchedulerKernel = 1,  // smxx/scheduler.cu runs before the decode kernel
   kInline = 2,           // the seesaw or swap-AB kernel schedules with one warp (<= 32 requests)
   kBlock = 3,            // the seesaw kernel schedules with the whole CTA, in every CTA
+  // The call's schedule operand holds the schedule: the op's own schedule
+  // call (the scheduler kernel) wrote it, once for every decode call of a
+  // program over the same block_table and seq_lens (XLA merges identical
+  // pure calls); the decode launches no scheduler.
+  kStep = 4,
 };
 
 enum class CombineGrid : int { kAuto = 0, kBlock = 1, kRows = 2, kSlices = 3 };

@@ -73,6 +73,16 @@ MLA_HOST_DEVICE constexpr WorkspaceSize workspace_size(int64_t rows, int64_t dv,
   return {workspace_layout(1, rows, dv, parts).total - fixed, fixed};
 }
 
+// The schedule's regions (items, request_meta, part_begin) are the layout's
+// tail, from `items` on. A schedule computed into a buffer of its own (the
+// result of paged decode's schedule call, ScheduleMode::kStep) holds them at
+// the same offsets less `items`; its size is affine in R like the whole.
+MLA_HOST_DEVICE constexpr int64_t schedule_bytes(const WorkspaceLayout& w) { return w.total - w.items; }
+MLA_HOST_DEVICE constexpr WorkspaceSize schedule_size(int64_t rows, int64_t parts) {
+  const int64_t fixed = schedule_bytes(workspace_layout(0, rows, 0, parts));
+  return {schedule_bytes(workspace_layout(1, rows, 0, parts)) - fixed, fixed};
+}
+
 // The invariants above, checked at compile time on a few shapes (1 to 128
 // query rows per request).
 constexpr bool line_aligned(const WorkspaceLayout& w) {
@@ -86,6 +96,9 @@ static_assert(line_aligned(workspace_layout(1, 1, 512, 132)) && line_aligned(wor
 static_assert(workspace_layout(9, 12, 512, 132).total ==
                   9 * workspace_size(12, 512, 132).per_request + workspace_size(12, 512, 132).fixed,
               "the workspace size is affine in the requests");
+static_assert(schedule_bytes(workspace_layout(9, 72, 512, 66)) ==
+                  9 * schedule_size(72, 66).per_request + schedule_size(72, 66).fixed,
+              "the schedule's size is affine in the requests and independent of dv");
 
 // Persistent KV partitions for a request of `rows` query rows: one per
 // group of SMs that together run all of its 64-row blocks, at most the
@@ -126,6 +139,14 @@ inline DecodeWorkspace carve_workspace(char* base, const WorkspaceLayout& layout
   return ws;
 }
 
+// Points ws's schedule regions at a schedule buffer of schedule_bytes(layout)
+// (see schedule_bytes); the partial outputs stay where they are.
+inline void carve_schedule(char* base, const WorkspaceLayout& layout, DecodeWorkspace* ws) {
+  ws->items = reinterpret_cast<int32_t*>(base);
+  ws->request_meta = reinterpret_cast<int32_t*>(base + (layout.request_meta - layout.items));
+  ws->part_begin = reinterpret_cast<int32_t*>(base + (layout.part_begin - layout.items));
+}
+
 // How the split-KV work is cut and who cuts it, fixed by the host per call
 // (csrc/dispatch/decode.cu from the kernel configuration).
 struct SplitSchedule {
@@ -140,6 +161,11 @@ struct SplitSchedule {
   // region of its row block); part_begin is not used, request_meta is
   // written by CTA (0, 0). Needs item_regions >= the grid's row blocks.
   bool schedule_in_decode = false;
+  // true (ScheduleMode::kStep): items, part_begin and request_meta already
+  // hold this call's schedule, written by an earlier scheduler launch over
+  // the same lengths and partitions (run_decode_schedule); no scheduler is
+  // launched and the decode reads them as the scheduler kernel's.
+  bool schedule_given = false;
 };
 
 }  // namespace mla_jax

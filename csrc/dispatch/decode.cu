@@ -53,6 +53,7 @@ cudaError_t run_paged_decode(const PagedDecodeParams& params, const DecodeWorksp
   schedule.max_num_splits = max_num_splits;
   schedule.inline_schedule = config.schedule == ScheduleMode::kInline;
   schedule.schedule_in_decode = config.schedule == ScheduleMode::kBlock;
+  schedule.schedule_given = config.schedule == ScheduleMode::kStep;
   cudaError_t err = cudaSuccess;
   switch (config.kernel) {
     case KernelFamily::kSm90Seesaw:
@@ -91,6 +92,15 @@ cudaError_t run_paged_decode(const PagedDecodeParams& params, const DecodeWorksp
   }
   if (err != cudaSuccess) return err;
   return smxx::run_combine(params, ws, config.combine_grid, config.programmatic_combine == Switch::kOn, stream);
+}
+
+cudaError_t run_decode_schedule(const PagedDecodeParams& params, const DecodeWorkspace& ws, int num_parts,
+                                int max_num_splits, cudaStream_t stream) {
+  if (params.batch == 0) return cudaSuccess;
+  SplitSchedule schedule;
+  schedule.num_parts = num_parts;
+  schedule.max_num_splits = max_num_splits;
+  return smxx::run_scheduler(params, ws, schedule, stream);
 }
 
 cudaError_t run_sparse_decode(const PagedDecodeParams& params, const DecodeWorkspace& ws, const KernelConfig& config,

@@ -27,6 +27,14 @@ bool build_has_sm90a();
 cudaError_t run_paged_decode(const PagedDecodeParams& params, const DecodeWorkspace& ws, const KernelConfig& config,
                              int num_parts, int max_num_splits, cudaStream_t stream);
 
+// The schedule alone (the scheduler kernel), for a later run_paged_decode
+// with ScheduleMode::kStep over the same lengths, num_parts and
+// max_num_splits: writes ws.items (region 0), ws.part_begin and
+// ws.request_meta. params needs batch, seq_lens, page_size and
+// max_pages_per_seq only.
+cudaError_t run_decode_schedule(const PagedDecodeParams& params, const DecodeWorkspace& ws, int num_parts,
+                                int max_num_splits, cudaStream_t stream);
+
 // Sparse decode: params as the sparse op fills them (batch B, q_len Q); runs
 // as B * Q requests of one query token each.
 cudaError_t run_sparse_decode(const PagedDecodeParams& params, const DecodeWorkspace& ws, const KernelConfig& config,

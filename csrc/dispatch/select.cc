@@ -29,6 +29,7 @@ const char* schedule_name(ScheduleMode s) {
     case ScheduleMode::kSchedulerKernel: return "kernel";
     case ScheduleMode::kInline: return "inline";
     case ScheduleMode::kBlock: return "block";
+    case ScheduleMode::kStep: return "step";
     default: return "auto";
   }
 }
@@ -115,7 +116,7 @@ bool parse_config(std::string_view text, KernelConfig* c, std::string* why) {
                                                KernelFamily::kSm90Lockstep, KernelFamily::kSm90Seesaw,
                                                KernelFamily::kSm90SwapAB};
   static constexpr ScheduleMode kSchedules[] = {ScheduleMode::kAuto, ScheduleMode::kSchedulerKernel,
-                                                ScheduleMode::kInline, ScheduleMode::kBlock};
+                                                ScheduleMode::kInline, ScheduleMode::kBlock, ScheduleMode::kStep};
   static constexpr CombineGrid kGrids[] = {CombineGrid::kAuto, CombineGrid::kBlock, CombineGrid::kRows,
                                            CombineGrid::kSlices};
   static constexpr Switch kSwitches[] = {Switch::kAuto, Switch::kOff, Switch::kOn};
@@ -275,14 +276,27 @@ Selection select_kernel(const DecodeFacts& f, const KernelConfig& requested, std
     note([&] { return std::string(std::string("kernel: ") + family_name(c.kernel) + " (requested by the plan)"); });
   }
 
-  // 2. Who schedules the splits. The seesaw kernel can schedule inside its
-  //    CTAs (one warp up to 32 requests, the whole block above); the swap-AB
-  //    kernel with one warp up to 32 requests; every other case runs the
-  //    scheduler kernel first.
+  // 2. Who schedules the splits. A call with a schedule operand (paged
+  //    decode) reads the one its own schedule call wrote. Otherwise the
+  //    seesaw kernel can schedule inside its CTAs (one warp up to 32
+  //    requests, the whole block above); the swap-AB kernel with one warp up
+  //    to 32 requests; every other case runs the scheduler kernel first.
   const bool seesaw = c.kernel == KernelFamily::kSm90Seesaw;
   const bool swapab_kernel = c.kernel == KernelFamily::kSm90SwapAB;
   if (c.schedule == ScheduleMode::kAuto) {
-    if (c.kernel == KernelFamily::kAuto) {
+    if (f.schedule_operand && (requests < 0 || requests > kInlineScheduleMaxRequests)) {
+      // Every kernel reads a schedule written before it as the scheduler
+      // kernel's. Computed once for all the decode calls of a program over
+      // the same metadata (unrolled layers), it takes the schedule's latency
+      // out of each; inside a lax.scan over layers XLA keeps it in the loop
+      // body, where above 32 requests it costs about what the block schedule
+      // does (docs/perf.md). Up to 32 requests the inline schedule is the
+      // safer default: cheaper in a scan, about even unrolled.
+      c.schedule = ScheduleMode::kStep;
+      note([&] { return std::string("schedule: step (") + (requests < 0 ? std::string("a symbolic batch") : std::to_string(requests) + " requests") +
+                        ": the op's schedule call computes it; XLA runs it once for every call over the same "
+                        "block_table and seq_lens)"; });
+    } else if (c.kernel == KernelFamily::kAuto) {
       // decided with the kernel
     } else if (!seesaw && !swapab_kernel) {
       c.schedule = ScheduleMode::kSchedulerKernel;
@@ -307,6 +321,9 @@ Selection select_kernel(const DecodeFacts& f, const KernelConfig& requested, std
     if (c.schedule == ScheduleMode::kBlock && c.kernel != KernelFamily::kAuto && !seesaw)
       return fail(std::string("schedule 'block' is the sm90_seesaw kernel's; kernel '") + family_name(c.kernel) +
                   "' uses schedule 'kernel'" + (swapab_kernel ? " or 'inline'" : ""));
+    if (c.schedule == ScheduleMode::kStep && !f.schedule_operand)
+      return fail("schedule 'step' reads the schedule operand of mla_jax.paged_decode's CUDA call; this call has "
+                  "none" + std::string(f.op == DecodeOp::kSparse ? " (sparse decode schedules itself)" : ""));
     if (c.schedule == ScheduleMode::kInline && requests > kInlineScheduleMaxRequests)
       return fail("schedule 'inline' serves at most " + std::to_string(kInlineScheduleMaxRequests) +
                   " requests, got " + std::to_string(requests));

@@ -492,12 +492,16 @@ cudaError_t launch_decode(const PagedDecodeParams& p, const DecodeWorkspace& ws,
   if (err != cudaSuccess) return err;
   // The scheduler right before the kernel, after the host work, so that
   // outside a CUDA graph no host work sits between the two launches.
-  err = smxx::run_scheduler(p, ws, schedule, stream);
-  if (err != cudaSuccess) return err;
+  if (!schedule.schedule_given) {
+    err = smxx::run_scheduler(p, ws, schedule, stream);
+    if (err != cudaSuccess) return err;
+  }
   const int rows = p.rows_per_request();
   dim3 grid(schedule.num_parts, (rows + Tr::kBlockM - 1) / Tr::kBlockM);
-  // The decode is the scheduler's programmatic dependent (csrc/smxx/pdl.cuh).
-  return launch_kernel(kernel, grid, Tr::kThreads, Tr::kSmemBytes, stream, /*programmatic=*/true, p, ws);
+  // The decode is the scheduler's programmatic dependent (csrc/smxx/pdl.cuh);
+  // after a given schedule it is launched plainly.
+  return launch_kernel(kernel, grid, Tr::kThreads, Tr::kSmemBytes, stream,
+                       /*programmatic=*/!schedule.schedule_given, p, ws);
 }
 
 // Picks the row-block size from q_len x heads: 16, 32 or 64 rows (the

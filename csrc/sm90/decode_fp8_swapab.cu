@@ -31,12 +31,12 @@ cudaError_t launch_swapab(const PagedDecodeParams& p, const DecodeWorkspace& ws,
   auto* kernel = s.inline_schedule ? decode_swapab_kernel<Tr, true> : decode_swapab_kernel<Tr, false>;
   cudaError_t err = smxx::set_max_dynamic_smem_once(reinterpret_cast<const void*>(kernel), Tr::kSmemAlloc);
   if (err != cudaSuccess) return err;
-  if (!s.inline_schedule) {
+  if (!s.inline_schedule && !s.schedule_given) {
     err = smxx::run_scheduler(p, ws, s, stream);
     if (err != cudaSuccess) return err;
   }
   return launch_kernel(kernel, dim3(1, s.num_parts), Tr::kThreads, Tr::kSmemAlloc, stream,
-                       /*programmatic=*/!s.inline_schedule, p, ws, s, tma);
+                       /*programmatic=*/!s.inline_schedule && !s.schedule_given, p, ws, s, tma);
 }
 
 }  // namespace

@@ -53,14 +53,15 @@ cudaError_t launch_decode(const PagedDecodeParams& p, const DecodeWorkspace& ws,
   }
   cudaError_t err = smxx::set_max_dynamic_smem_once(kernel, Tr::kSmemAlloc);
   if (err != cudaSuccess) return err;
-  if (!s.inline_schedule && !s.schedule_in_decode) {
+  if (!s.inline_schedule && !s.schedule_in_decode && !s.schedule_given) {
     err = smxx::run_scheduler(p, ws, s, stream);  // after the host work: no gap between the launches
     if (err != cudaSuccess) return err;
   }
   if (!seesaw) {
-    // The lock-step kernel always follows the scheduler kernel, as its
-    // programmatic dependent (csrc/smxx/pdl.cuh).
-    return launch_kernel(decode_kernel<Tr>, grid, Tr::kThreads, Tr::kSmemAlloc, stream, /*programmatic=*/true, p, ws,
+    // The lock-step kernel follows the scheduler kernel as its programmatic
+    // dependent (csrc/smxx/pdl.cuh); after a given schedule, plainly.
+    return launch_kernel(decode_kernel<Tr>, grid, Tr::kThreads, Tr::kSmemAlloc, stream,
+                         /*programmatic=*/!s.schedule_given, p, ws,
                          tma);
   }
   // The seesaw kernel is launched plainly, also after the scheduler kernel

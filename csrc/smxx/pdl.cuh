@@ -1,15 +1,17 @@
 // Programmatic dependent launch (sm_90 and later), twice in a call:
-// * scheduler kernel -> decode kernel: the portable and lock-step kernels,
-//   which always follow the scheduler kernel, and the swap-AB kernel when
-//   its schedule is "kernel" (auto: above 32 requests; below, it schedules
-//   itself) are launched with
+// * scheduler kernel -> decode kernel: the portable, lock-step and swap-AB
+//   kernels when the scheduler kernel runs in their call (schedule
+//   "kernel"; sparse decode's auto for the portable and lock-step kernels,
+//   and for the swap-AB one above 32 requests) are launched with
 //   programmatic stream serialisation; the scheduler calls
 //   pdl_allow_dependents() first thing, so their CTAs are dispatched and do
 //   their set-up while the schedule is computed, and each calls
 //   pdl_wait_for_previous() before it reads the schedule. (The seesaw
 //   kernel, after the scheduler kernel only when a plan forces that
 //   schedule, is launched plainly: an earlier chain through it measured
-//   slower, docs/perf.md.)
+//   slower, docs/perf.md. With schedule "step" no scheduler runs in the call
+//   and every decode kernel is launched plainly: its set-up reads call
+//   inputs, which the kernel ahead of it in the stream may still write.)
 // * decode kernel -> combine kernel: the combine's CTAs may be dispatched
 //   once every decode CTA has called pdl_allow_dependents() (the portable,
 //   lock-step and swap-AB kernels at their start, the seesaw kernel when a

@@ -192,7 +192,7 @@ Case draw_case(std::mt19937_64& rng, const std::string& kernel) {
       c.q_len = pick(rng, {1, 1, 2});
     }
   }
-  const std::string schedule = pick<const char*>(rng, {"auto", "auto", "kernel", "inline", "block"});
+  const std::string schedule = pick<const char*>(rng, {"auto", "auto", "kernel", "inline", "block", "step"});
   const std::string combine = pick<const char*>(rng, {"auto", "auto", "block", "rows", "slices"});
   const std::string programmatic = pick<const char*>(rng, {"auto", "off", "on"});
   c.request = kernel + "," + schedule + "," + combine + "," + programmatic;
@@ -464,7 +464,9 @@ Outcome run_case(const Case& c, std::mt19937_64& rng, const DeviceInfo& dev) {
   const DecodeOp op = c.sparse ? DecodeOp::kSparse : DecodeOp::kPaged;
   const int64_t rows = c.sparse ? c.heads : int64_t{c.heads} * c.q_len;
   const int workspace_parts = std::max<int>(1, dev.sm_count / static_cast<int>((rows + 63) / 64));
-  const DecodeFacts facts = call_facts(op, dp, dev.arch, dev.sm_count, build_has_sm90a(), workspace_parts);
+  DecodeFacts facts = call_facts(op, dp, dev.arch, dev.sm_count, build_has_sm90a(), workspace_parts);
+  // A paged call carries the schedule operand, as mla_jax.paged_decode's do.
+  facts.schedule_operand = !c.sparse;
   KernelConfig request;
   std::string why;
   if (!parse_config(c.request, &request, &why)) {
@@ -489,8 +491,16 @@ Outcome run_case(const Case& c, std::mt19937_64& rng, const DeviceInfo& dev) {
   const WorkspaceLayout layout = workspace_layout(facts.requests(), facts.rows(), kDn, workspace_parts);
   Buf workspace(static_cast<size_t>(layout.total), 0xff);
   workspace.upload();
-  const DecodeWorkspace ws = carve_workspace(static_cast<char*>(workspace.dev), layout);
+  DecodeWorkspace ws = carve_workspace(static_cast<char*>(workspace.dev), layout);
   const int parts = num_partitions(dev.sm_count, facts.rows(), workspace_parts);
+  // Schedule "step": the schedule in a buffer of its own, written first, as
+  // the op's schedule call writes it.
+  Buf schedule(static_cast<size_t>(schedule_bytes(layout)), 0xff);
+  if (sel.config.schedule == ScheduleMode::kStep) {
+    schedule.upload();
+    carve_schedule(static_cast<char*>(schedule.dev), layout, &ws);
+    CUDA_OK(run_decode_schedule(dp, ws, parts, c.max_num_splits, nullptr));
+  }
   cudaError_t err = c.sparse ? run_sparse_decode(dp, ws, sel.config, parts, nullptr)
                              : run_paged_decode(dp, ws, sel.config, parts, c.max_num_splits, nullptr);
   CUDA_OK(err);
