@@ -36,6 +36,16 @@ struct Launch {
   int num_parts = 1;
 };
 
+// The base of a scratch or schedule buffer (`what`) that must hold `needed`
+// bytes at 16-byte alignment; null with *err set otherwise.
+char* checked_base(const char* op, const char* what, void* data, size_t size, int64_t needed, ffi::Error* err) {
+  char* base = static_cast<char*>(data);
+  if (size >= static_cast<size_t>(needed) && reinterpret_cast<uintptr_t>(base) % 16 == 0) return base;
+  *err = invalid_argument(op, std::string("the ") + what + " is too small or misaligned for this call (" +
+                                  std::to_string(size) + " bytes, needs " + std::to_string(needed) + ")");
+  return nullptr;
+}
+
 // Resolves the configuration for this device and carves the workspace (and,
 // for ScheduleMode::kStep, the schedule operand: empty when the call has none).
 ffi::Error prepare(const char* op, DecodeOp kind, int device_ordinal, const PagedDecodeParams& p,
@@ -68,22 +78,18 @@ ffi::Error prepare(const char* op, DecodeOp kind, int device_ordinal, const Page
 
   const int64_t rows = f.rows();
   const WorkspaceLayout layout = workspace_layout(f.requests(), rows, p.kv_lora_rank, attrs.workspace_parts);
-  char* base = static_cast<char*>(workspace->untyped_data());
-  if (workspace->size_bytes() < static_cast<size_t>(layout.total) || reinterpret_cast<uintptr_t>(base) % 16 != 0 ||
-      layout.max_items > INT32_MAX)
-    return invalid_argument(op, "the workspace result is too small or misaligned for this call (" +
-                                    std::to_string(workspace->size_bytes()) + " bytes, needs " +
-                                    std::to_string(layout.total) + ")");
+  if (layout.max_items > INT32_MAX) return invalid_argument(op, "too many requests for one call");
+  ffi::Error err = ffi::Error::Success();
+  char* base = checked_base(op, "workspace result", workspace->untyped_data(), workspace->size_bytes(), layout.total,
+                            &err);
+  if (base == nullptr) return err;
   launch->ws = carve_workspace(base, layout);
   if (launch->config.schedule == ScheduleMode::kStep) {
     // Written by the op's schedule call over this call's block_table and
     // seq_lens with the same workspace_parts (mla_jax/paged_decode.py).
-    char* sched = static_cast<char*>(schedule->untyped_data());
-    if (schedule->size_bytes() < static_cast<size_t>(schedule_bytes(layout)) ||
-        reinterpret_cast<uintptr_t>(sched) % 16 != 0)
-      return invalid_argument(op, "the schedule operand is too small or misaligned for this call (" +
-                                      std::to_string(schedule->size_bytes()) + " bytes, needs " +
-                                      std::to_string(schedule_bytes(layout)) + ")");
+    char* sched = checked_base(op, "schedule operand", schedule->untyped_data(), schedule->size_bytes(),
+                               schedule_bytes(layout), &err);
+    if (sched == nullptr) return err;
     carve_schedule(sched, layout, &launch->ws);
   }
   launch->num_parts = num_partitions(dev.sm_count, rows, static_cast<int>(attrs.workspace_parts));
@@ -182,12 +188,11 @@ ffi::Error paged_decode_schedule_cuda_impl(cudaStream_t stream, int32_t device_o
     return internal_error(op, std::string("cannot query the CUDA device: ") + cudaGetErrorString(dev.status));
   const int64_t rows = q_len * num_heads;
   const WorkspaceLayout layout = workspace_layout(bt[0], rows, 0, workspace_parts);
-  char* base = static_cast<char*>(schedule->untyped_data());
-  if (schedule->size_bytes() < static_cast<size_t>(schedule_bytes(layout)) ||
-      reinterpret_cast<uintptr_t>(base) % 16 != 0 || layout.max_items > INT32_MAX)
-    return invalid_argument(op, "the schedule result is too small or misaligned (" +
-                                    std::to_string(schedule->size_bytes()) + " bytes, needs " +
-                                    std::to_string(schedule_bytes(layout)) + ")");
+  if (layout.max_items > INT32_MAX) return invalid_argument(op, "too many requests for one call");
+  ffi::Error check = ffi::Error::Success();
+  char* base = checked_base(op, "schedule result", schedule->untyped_data(), schedule->size_bytes(),
+                            schedule_bytes(layout), &check);
+  if (base == nullptr) return check;
   PagedDecodeParams p;
   p.batch = static_cast<int>(bt[0]);
   p.q_len = static_cast<int>(q_len);
