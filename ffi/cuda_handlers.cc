@@ -86,7 +86,8 @@ ffi::Error prepare(const char* op, DecodeOp kind, int device_ordinal, const Page
   launch->ws = carve_workspace(base, layout);
   if (launch->config.schedule == ScheduleMode::kStep) {
     // Written by the op's schedule call over this call's block_table and
-    // seq_lens with the same workspace_parts (mla_jax/paged_decode.py).
+    // seq_lens (sparse decode: topk_lens) with the same workspace_parts
+    // (mla_jax/paged_decode.py, mla_jax/sparse_decode.py).
     char* sched = checked_base(op, "schedule operand", schedule->untyped_data(), schedule->size_bytes(),
                                schedule_bytes(layout), &err);
     if (sched == nullptr) return err;
@@ -145,7 +146,8 @@ ffi::Error paged_decode_cuda_impl(cudaStream_t stream, int32_t device_ordinal, f
 ffi::Error sparse_decode_cuda_impl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer q_nope,
                                    ffi::AnyBuffer q_pe, ffi::AnyBuffer kv, ffi::Buffer<ffi::S32> indices,
                                    ffi::Buffer<ffi::S32> topk_lens, ffi::Buffer<ffi::F32> attn_sink,
-                                   ffi::Buffer<ffi::F32> kv_scale, ffi::Result<ffi::AnyBuffer> out, F32Result lse,
+                                   ffi::Buffer<ffi::F32> kv_scale, ffi::AnyBuffer schedule,
+                                   ffi::Result<ffi::AnyBuffer> out, F32Result lse,
                                    ffi::Result<ffi::AnyBuffer> workspace, float sm_scale, int64_t kv_format,
                                    bool has_sink, int64_t kv_lora_rank, int64_t qk_rope_head_dim,
                                    std::string_view kernel_config, std::string_view kernel_request,
@@ -158,7 +160,7 @@ ffi::Error sparse_decode_cuda_impl(cudaStream_t stream, int32_t device_ordinal, 
   Launch run;
   err = prepare(kSparseDecodeOp, DecodeOp::kSparse, device_ordinal, params,
                 {kernel_config, kernel_request, selected_for_arch, selected_for_sm_count, workspace_parts}, workspace,
-                /*schedule=*/nullptr, &run);
+                &schedule, &run);
   if (err.failure()) return err;
   return launch_status(kSparseDecodeOp, run, run_sparse_decode(params, run.ws, run.config, run.num_parts, stream));
 }
@@ -213,7 +215,64 @@ ffi::Error paged_decode_schedule_cuda_impl(cudaStream_t stream, int32_t device_o
   return ffi::Error::Success();
 }
 
+// Sparse decode's schedule (ScheduleMode::kStep): every query token is a
+// request of min(topk_lens[b], topk) entries (run_sparse_decode); the
+// schedule reads only topk_lens and the shapes, so it is the same for every
+// layer of a step (whose top-k indices differ) and XLA runs one for them.
+ffi::Error sparse_decode_schedule_cuda_impl(cudaStream_t stream, int32_t device_ordinal,
+                                            ffi::Buffer<ffi::S32> topk_lens, ffi::Result<ffi::AnyBuffer> schedule,
+                                            int64_t q_len, int64_t topk, int64_t num_heads,
+                                            int64_t workspace_parts) {
+  constexpr const char* op = kSparseDecodeScheduleOp;
+  const auto ld = topk_lens.dimensions();
+  if (ld.size() != 1) return invalid_argument(op, "expected topk_lens [B]");
+  if (q_len < 1 || q_len > 1024 || num_heads < 1 || num_heads > 1024 || topk < 1 || topk > (int64_t{1} << 30) ||
+      ld[0] * q_len > INT32_MAX)
+    return invalid_argument(op, "q_len, topk, num_heads or the batch out of range");
+  if (workspace_parts < 1 || workspace_parts > (int64_t{1} << 20))
+    return invalid_argument(op, "workspace_parts must be in [1, 2^20], got " + std::to_string(workspace_parts));
+  const DeviceInfo dev = device_info(device_ordinal);
+  if (dev.status != cudaSuccess)
+    return internal_error(op, std::string("cannot query the CUDA device: ") + cudaGetErrorString(dev.status));
+  const int64_t requests = ld[0] * q_len;
+  const WorkspaceLayout layout = workspace_layout(requests, num_heads, 0, workspace_parts);
+  if (layout.max_items > INT32_MAX) return invalid_argument(op, "too many requests for one call");
+  ffi::Error check = ffi::Error::Success();
+  char* base = checked_base(op, "schedule result", schedule->untyped_data(), schedule->size_bytes(),
+                            schedule_bytes(layout), &check);
+  if (base == nullptr) return check;
+  // The schedule reads the request lengths only: indices must be set (it
+  // marks the sparse form) but is never read, so it points at topk_lens.
+  PagedDecodeParams p;
+  p.batch = static_cast<int>(ld[0]);
+  p.q_len = static_cast<int>(q_len);
+  p.num_heads = static_cast<int>(num_heads);
+  p.topk = static_cast<int>(topk);
+  p.topk_lens = topk_lens.typed_data();
+  p.indices = topk_lens.typed_data();
+  DecodeWorkspace ws;
+  ws.max_items = static_cast<int>(layout.max_items);
+  ws.item_regions = layout.item_regions;
+  carve_schedule(base, layout, &ws);
+  const int parts = num_partitions(dev.sm_count, num_heads, static_cast<int>(workspace_parts));
+  const cudaError_t err = run_sparse_decode_schedule(p, ws, parts, stream);
+  if (err != cudaSuccess) return internal_error(op, std::string("kernel launch failed: ") + cudaGetErrorString(err));
+  return ffi::Error::Success();
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SparseDecodeScheduleCuda, sparse_decode_schedule_cuda_impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // topk_lens [B]
+                                  .Ret<ffi::AnyBuffer>()         // schedule (uint8, schedule_bytes)
+                                  .Attr<int64_t>("q_len")
+                                  .Attr<int64_t>("topk")
+                                  .Attr<int64_t>("num_heads")
+                                  .Attr<int64_t>("workspace_parts"),
+                              {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedDecodeScheduleCuda, paged_decode_schedule_cuda_impl,
                               ffi::Ffi::Bind()
@@ -267,6 +326,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SparseDecodeCuda, sparse_decode_cuda_impl,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // topk_lens [B]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // attn_sink [H]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // kv_scale [1]
+                                  .Arg<ffi::AnyBuffer>()         // schedule (uint8; empty: none)
                                   .Ret<ffi::AnyBuffer>()         // out
                                   .Ret<ffi::Buffer<ffi::F32>>()  // lse
                                   .Ret<ffi::AnyBuffer>()         // workspace (uint8, workspace_layout)

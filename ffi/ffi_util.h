@@ -15,6 +15,7 @@ namespace ffi = xla::ffi;
 // The ops' names as users call them; every error message starts with one.
 inline constexpr const char* kPagedDecodeOp = "mla_jax.paged_decode";
 inline constexpr const char* kPagedDecodeScheduleOp = "mla_jax.paged_decode (schedule)";
+inline constexpr const char* kSparseDecodeScheduleOp = "mla_jax.sparse_decode (schedule)";
 inline constexpr const char* kSparseDecodeOp = "mla_jax.sparse_decode";
 
 // "[2, 3, 576]". Plain std::string building, no iostreams: with jaxlib 0.11

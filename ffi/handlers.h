@@ -11,6 +11,7 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(SparseDecodeCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(PagedDecodeCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(PagedDecodeScheduleCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(SparseDecodeCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(SparseDecodeScheduleCuda);
 #endif
 
 }  // namespace mla_jax

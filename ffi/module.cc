@@ -76,7 +76,8 @@ NB_MODULE(_mla_jax_ext, m) {
 #ifdef MLA_JAX_WITH_CUDA
     d["mla_jax_paged_decode_cuda_v3"] = encapsulate(mla_jax::PagedDecodeCuda);
     d["mla_jax_paged_decode_schedule_cuda_v1"] = encapsulate(mla_jax::PagedDecodeScheduleCuda);
-    d["mla_jax_sparse_decode_cuda_v2"] = encapsulate(mla_jax::SparseDecodeCuda);
+    d["mla_jax_sparse_decode_cuda_v3"] = encapsulate(mla_jax::SparseDecodeCuda);
+    d["mla_jax_sparse_decode_schedule_cuda_v1"] = encapsulate(mla_jax::SparseDecodeScheduleCuda);
 #endif
     return d;
   });

@@ -16,17 +16,19 @@ else:
   _IMPORT_ERROR = None
 
 # The CUDA targets carry a version: their operands and attributes changed
-# (one workspace result, the kernel-choice attributes; paged decode's
-# schedule operand), so an export made with the earlier ones fails to find
+# (one workspace result, the kernel-choice attributes; the schedule
+# operand), so an export made with the earlier ones fails to find
 # its target instead of misreading it.
 CPU_TARGET = "mla_jax_paged_decode_cpu"
 CUDA_TARGET = "mla_jax_paged_decode_cuda_v3"
 SCHEDULE_CUDA_TARGET = "mla_jax_paged_decode_schedule_cuda_v1"
 SPARSE_CPU_TARGET = "mla_jax_sparse_decode_cpu"
-SPARSE_CUDA_TARGET = "mla_jax_sparse_decode_cuda_v2"
+SPARSE_CUDA_TARGET = "mla_jax_sparse_decode_cuda_v3"
+SPARSE_SCHEDULE_CUDA_TARGET = "mla_jax_sparse_decode_schedule_cuda_v1"
 # Custom-call targets a jax.export user must allow (mla_jax.EXPORT_TARGETS):
 #   jax.export.DisabledSafetyCheck.custom_call(name) for each.
-EXPORT_TARGETS = (CPU_TARGET, CUDA_TARGET, SCHEDULE_CUDA_TARGET, SPARSE_CPU_TARGET, SPARSE_CUDA_TARGET)
+EXPORT_TARGETS = (CPU_TARGET, CUDA_TARGET, SCHEDULE_CUDA_TARGET, SPARSE_CPU_TARGET, SPARSE_CUDA_TARGET,
+                  SPARSE_SCHEDULE_CUDA_TARGET)
 
 
 def has_extension() -> bool:

@@ -56,11 +56,11 @@ class KernelChoice:
       ``float8_e4m3fn`` cache, ``page_size`` a multiple of 64, at most 32
       query rows per request; sparse decode over ``fp8_ds_mla`` with a bf16
       query and at most 32 heads).
-    schedule: who computes the split-KV schedule: "auto", "step" (paged
-      decode: a call of its own before the decode, which XLA runs once for
-      all the decode calls of an unrolled program over the same
-      ``block_table`` and ``seq_lens``, as FlashMLA's metadata is computed
-      once per step; auto above 32 requests),
+    schedule: who computes the split-KV schedule: "auto", "step" (a call of
+      its own before the decode, which XLA runs once for all the decode
+      calls of an unrolled program over the same ``block_table`` and
+      ``seq_lens``, or sparse decode's ``topk_lens``, as FlashMLA's metadata
+      is computed once per step; auto above 32 requests),
       "kernel" (the scheduler kernel, before each decode), "inline" (one
       warp of every seesaw or swap-AB CTA, up to 32 requests) or "block"
       (every seesaw CTA).
@@ -159,7 +159,7 @@ def facts(*, op: str, q_dtype, kv_dtype, kv_format: str, kv_lora_rank: int, qk_r
   topk: sparse decode's top-k entries per query token: required (>= 1) for
     op="sparse", whose kernel choice depends on it; 0 for paged decode.
   schedule_operand: the CUDA call takes a schedule computed by a call of its
-    own (paged decode), which makes schedule "step" possible.
+    own (both ops' CUDA calls), which makes schedule "step" possible.
   """
   if op == "sparse" and int(topk) < 1:
     raise ValueError(f"facts: sparse decode needs topk >= 1 (its kernel choice depends on it), got {topk}")

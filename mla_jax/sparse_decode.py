@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -38,12 +39,29 @@ def _facts(call: _op.Call, args):
   return kernels.facts(op="sparse", q_dtype=q_nope.dtype, kv_dtype=kv.dtype, kv_format=plan.kv_format,
                        kv_lora_rank=plan.kv_lora_rank, qk_rope_head_dim=plan.qk_rope_head_dim,
                        page_size=plan.page_size, q_len=q, num_heads=h, batch=b, num_pages=kv.shape[0],
-                       topk=plan.topk)
+                       topk=plan.topk, schedule_operand=True)
 
 
 def _kernel_shape(call: _op.Call, q_nope):
   b, q, h = q_nope.shape[:3]
   return b * q, h  # every query token is one kernel request of H rows
+
+
+def _schedule(call: _op.Call, args, sel: kernels.Selection):
+  """The CUDA call's schedule operand: with schedule "step", the result of
+  the schedule call over topk_lens (pure and independent of the indices, so
+  XLA runs one for every decode call of an unrolled program with the same
+  topk_lens and shapes: a step's layers); otherwise an empty buffer."""
+  if sel.config.schedule != "step":
+    return (jnp.zeros((0,), jnp.uint8),)
+  q_nope, indices, topk_lens = args[0], args[3], args[4]
+  b, q, h = q_nope.shape[:3]
+  parts = sel.attrs["workspace_parts"]
+  per_request, fixed = _ffi.ext().schedule_size(h, parts)
+  sched = jax.ffi.ffi_call(_ffi.SPARSE_SCHEDULE_CUDA_TARGET,
+                           jax.ShapeDtypeStruct((per_request * b * q + fixed,), jnp.uint8))(
+      topk_lens, q_len=int(q), topk=int(indices.shape[-1]), num_heads=int(h), workspace_parts=int(parts))
+  return _op.varying_like_inputs((sched,), (topk_lens,))
 
 
 def _xla(call: _op.Call, *args):
@@ -69,6 +87,7 @@ SPEC = _op.OpSpec(
     dv=lambda c: c.plan.kv_lora_rank,
     cache_operands=(2,),  # kv
     context=_context.sparse_decode_local,
+    cuda_extra=_schedule,
 )
 
 

@@ -614,7 +614,7 @@ def test_compiled_hlo_moves_no_data(backend, q_form, kv_form):
   assert data_movement_problems(hlo, KERNEL_TARGETS[backend]) == [], hlo
 
 
-SPARSE_TARGETS = {"cpu": "mla_jax_sparse_decode_cpu", "cuda": "mla_jax_sparse_decode_cuda_v2"}
+SPARSE_TARGETS = {"cpu": "mla_jax_sparse_decode_cpu", "cuda": "mla_jax_sparse_decode_cuda_v3"}
 
 
 @pytest.mark.parametrize("backend", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])

@@ -7,8 +7,8 @@ export must allow them explicitly:
                      for t in mla_jax.EXPORT_TARGETS]
 
 EXPORT_TARGETS holds the CPU and CUDA targets of both ops
-(mla_jax_{paged,sparse}_decode_{cpu,cuda}) and paged decode's schedule call
-(mla_jax_paged_decode_schedule_cuda): a CPU target is in every export
+(mla_jax_{paged,sparse}_decode_{cpu,cuda}) and their schedule calls
+(mla_jax_{paged,sparse}_decode_schedule_cuda): a CPU target is in every export
 that lowers for "cpu" (backends "cpu" and "auto"), a CUDA one in exports for
 "cuda" (backends "cuda" and "auto", when mla_jax was built with CUDA kernels).
 Backend "xla" needs none. Serialization

@@ -162,6 +162,19 @@ def test_sparse_capability_table(heads, kv_format, q_dtype, topk, want):
       mla_jax.explain(seesaw, *args, device=H200)
 
 
+@needs_sm90a
+@pytest.mark.parametrize("batch,q_len,want", [(32, 1, "inline"), (33, 1, "step"), (20, 2, "step"), (16, 2, "inline")])
+def test_sparse_schedule_step_above_32_requests(batch, q_len, want):
+  # Every query token is a request: B x Q of them. Above 32 the schedule
+  # comes from the op's schedule call (over topk_lens only).
+  plan = mla_jax.SparseDecodePlan(num_heads=128, page_size=64, sm_scale=SM_SCALE, topk=2048, q_len=q_len,
+                                  kv_format="fp8_ds_mla", backend="cuda")
+  args = (jax.ShapeDtypeStruct((batch, q_len, 128, 576), jnp.bfloat16),
+          jax.ShapeDtypeStruct((20, 64, 656), jnp.uint8), jax.ShapeDtypeStruct((batch, q_len, 2048), jnp.int32))
+  got = mla_jax.explain(plan, *args, device=H200)
+  assert (got.kernel.kernel, got.kernel.schedule) == ("sm90_seesaw", want), str(got)
+
+
 def test_sparse_facts_without_topk_are_rejected():
   # The sparse choice depends on top-k: facts that leave it out are an
   # error, in Python and in the C++ selection, not a silent short-item choice.
@@ -203,7 +216,7 @@ def test_forced_choice_that_cannot_serve_the_call_is_a_trace_time_error(kernel, 
 def test_swapab_schedules_small_batches_itself():
   # Up to 32 requests one warp of every swap-AB CTA schedules; above, paged
   # decode takes its schedule from its own call ("step"), and without that
-  # operand (sparse decode; the facts of a direct call) the scheduler kernel
+  # operand (the facts of a direct call) the scheduler kernel
   # runs first; the block schedule is the seesaw kernel's.
   plan = mla_jax.DecodePlan(num_heads=16, page_size=64, sm_scale=SM_SCALE, backend="cuda")
   fp8 = lambda batch: _paged(batch, 16, 64, kv_dtype=jnp.float8_e4m3fn)

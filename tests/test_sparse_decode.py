@@ -651,10 +651,10 @@ def _matches_reference_twice(case, kv, idx, plan, lens):
 
 
 @GPU
-@pytest.mark.parametrize("schedule,h", [("auto", 64), ("kernel", 64), ("block", 128)])
+@pytest.mark.parametrize("schedule,h", [("auto", 64), ("kernel", 64), ("block", 64), ("block", 128), ("step", 128)])
 def test_hopper_seesaw_long_items(schedule, h):
   """The seesaw kernel's gathers over items of many tiles: 48 entries x
-  q_len 2 with top-k 2048 (96 requests: the block schedule unless forced)
+  q_len 2 with top-k 2048 (96 requests: schedule "step" unless forced)
   give whole requests of up to 32 tiles, so every half of both stages is
   gathered and converted many times and the half barriers' parities carry
   across items; at 128 heads over two row blocks. Mixed topk_lens (0,
@@ -669,7 +669,7 @@ def test_hopper_seesaw_long_items(schedule, h):
   choice = mla_jax.KernelChoice(kernel="sm90_seesaw", schedule=schedule)
   plan = dataclasses.replace(case.plan("cuda"), kernel=choice)
   got = mla_jax.explain(plan, case.query, kv, idx).kernel
-  assert got.kernel == "sm90_seesaw" and got.schedule == ("block" if schedule == "auto" else schedule), str(got)
+  assert got.kernel == "sm90_seesaw" and got.schedule == ("step" if schedule == "auto" else schedule), str(got)
   _matches_reference_twice(case, kv, idx, plan, lens)
 
 

@@ -34,8 +34,9 @@ enum class ScheduleMode : int {
   kBlock = 3,            // the seesaw kernel schedules with the whole CTA, in every CTA
   // The call's schedule operand holds the schedule: the op's own schedule
   // call (the scheduler kernel) wrote it, once for every decode call of a
-  // program over the same block_table and seq_lens (XLA merges identical
-  // pure calls); the decode launches no scheduler.
+  // program over the same block_table and seq_lens, or sparse decode's
+  // topk_lens (XLA merges identical pure calls); the decode launches no
+  // scheduler.
   kStep = 4,
 };
 

@@ -75,7 +75,7 @@ MLA_HOST_DEVICE constexpr WorkspaceSize workspace_size(int64_t rows, int64_t dv,
 
 // The schedule's regions (items, request_meta, part_begin) are the layout's
 // tail, from `items` on. A schedule computed into a buffer of its own (the
-// result of paged decode's schedule call, ScheduleMode::kStep) holds them at
+// result of the ops' schedule calls, ScheduleMode::kStep) holds them at
 // the same offsets less `items`; its size is affine in R like the whole.
 MLA_HOST_DEVICE constexpr int64_t schedule_bytes(const WorkspaceLayout& w) { return w.total - w.items; }
 MLA_HOST_DEVICE constexpr WorkspaceSize schedule_size(int64_t rows, int64_t parts) {

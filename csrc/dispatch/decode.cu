@@ -103,15 +103,26 @@ cudaError_t run_decode_schedule(const PagedDecodeParams& params, const DecodeWor
   return smxx::run_scheduler(params, ws, schedule, stream);
 }
 
-cudaError_t run_sparse_decode(const PagedDecodeParams& params, const DecodeWorkspace& ws, const KernelConfig& config,
-                              int num_parts, cudaStream_t stream) {
-  // Every query token has its own index row: run B*Q requests of one token.
+namespace {
+// Every query token of a sparse call has its own index row: B*Q requests of one token.
+PagedDecodeParams per_token_requests(const PagedDecodeParams& params) {
   PagedDecodeParams per_token = params;
   per_token.batch = params.batch * params.q_len;
   per_token.q_len = 1;
   per_token.causal = false;
   per_token.sparse_group = params.q_len;
-  return run_paged_decode(per_token, ws, config, num_parts, /*max_num_splits=*/0, stream);
+  return per_token;
+}
+}  // namespace
+
+cudaError_t run_sparse_decode_schedule(const PagedDecodeParams& params, const DecodeWorkspace& ws, int num_parts,
+                                       cudaStream_t stream) {
+  return run_decode_schedule(per_token_requests(params), ws, num_parts, /*max_num_splits=*/0, stream);
+}
+
+cudaError_t run_sparse_decode(const PagedDecodeParams& params, const DecodeWorkspace& ws, const KernelConfig& config,
+                              int num_parts, cudaStream_t stream) {
+  return run_paged_decode(per_token_requests(params), ws, config, num_parts, /*max_num_splits=*/0, stream);
 }
 
 }  // namespace mla_jax

@@ -35,6 +35,12 @@ cudaError_t run_paged_decode(const PagedDecodeParams& params, const DecodeWorksp
 cudaError_t run_decode_schedule(const PagedDecodeParams& params, const DecodeWorkspace& ws, int num_parts,
                                 int max_num_splits, cudaStream_t stream);
 
+// The same for a sparse call's params as the sparse op fills them (B
+// requests of Q tokens): the schedule of run_sparse_decode's B * Q
+// one-token requests, which reads topk_lens, topk and the shapes only.
+cudaError_t run_sparse_decode_schedule(const PagedDecodeParams& params, const DecodeWorkspace& ws, int num_parts,
+                                       cudaStream_t stream);
+
 // Sparse decode: params as the sparse op fills them (batch B, q_len Q); runs
 // as B * Q requests of one query token each.
 cudaError_t run_sparse_decode(const PagedDecodeParams& params, const DecodeWorkspace& ws, const KernelConfig& config,

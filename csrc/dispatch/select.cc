@@ -276,8 +276,8 @@ Selection select_kernel(const DecodeFacts& f, const KernelConfig& requested, std
     note([&] { return std::string(std::string("kernel: ") + family_name(c.kernel) + " (requested by the plan)"); });
   }
 
-  // 2. Who schedules the splits. A call with a schedule operand (paged
-  //    decode) reads the one its own schedule call wrote. Otherwise the
+  // 2. Who schedules the splits. A call with a schedule operand (the JAX
+  //    ops' CUDA calls) may read the one its own schedule call wrote. Otherwise the
   //    seesaw kernel can schedule inside its CTAs (one warp up to 32
   //    requests, the whole block above); the swap-AB kernel with one warp up
   //    to 32 requests; every other case runs the scheduler kernel first.
@@ -294,8 +294,8 @@ Selection select_kernel(const DecodeFacts& f, const KernelConfig& requested, std
       // safer default: cheaper in a scan, about even unrolled.
       c.schedule = ScheduleMode::kStep;
       note([&] { return std::string("schedule: step (") + (requests < 0 ? std::string("a symbolic batch") : std::to_string(requests) + " requests") +
-                        ": the op's schedule call computes it; XLA runs it once for every call over the same "
-                        "block_table and seq_lens)"; });
+                        ": the op's schedule call computes it; XLA runs it once for every call over the same " +
+                        (f.op == DecodeOp::kSparse ? "topk_lens" : "block_table and seq_lens") + ")"; });
     } else if (c.kernel == KernelFamily::kAuto) {
       // decided with the kernel
     } else if (!seesaw && !swapab_kernel) {
@@ -322,8 +322,7 @@ Selection select_kernel(const DecodeFacts& f, const KernelConfig& requested, std
       return fail(std::string("schedule 'block' is the sm90_seesaw kernel's; kernel '") + family_name(c.kernel) +
                   "' uses schedule 'kernel'" + (swapab_kernel ? " or 'inline'" : ""));
     if (c.schedule == ScheduleMode::kStep && !f.schedule_operand)
-      return fail("schedule 'step' reads the schedule operand of mla_jax.paged_decode's CUDA call; this call has "
-                  "none" + std::string(f.op == DecodeOp::kSparse ? " (sparse decode schedules itself)" : ""));
+      return fail("schedule 'step' reads the schedule operand of the op's CUDA call; this call has none");
     if (c.schedule == ScheduleMode::kInline && requests > kInlineScheduleMaxRequests)
       return fail("schedule 'inline' serves at most " + std::to_string(kInlineScheduleMaxRequests) +
                   " requests, got " + std::to_string(requests));

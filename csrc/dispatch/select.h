@@ -43,8 +43,8 @@ struct DecodeFacts {
   int sm_count = 0;      // 0: unknown
   bool build_sm90a = false;  // this build carries sm_90a code
   int workspace_parts = kMaxSupportedSmCount;
-  // The call carries a schedule operand (paged decode's CUDA call made by
-  // the JAX op with its schedule call): ScheduleMode::kStep is possible.
+  // The call carries a schedule operand (a CUDA call made by the JAX ops,
+  // with their schedule call): ScheduleMode::kStep is possible.
   bool schedule_operand = false;
 
   // Kernel requests: sparse decode runs every query token as its own.

@@ -15,6 +15,10 @@ struct RequestSpan {
 // Dense mode: seq_lens[r], valid when 0 <= len <= max_pages_per_seq * page_size.
 // Sparse mode: request r is query token r % group of batch entry r / group; it
 // streams min(topk_lens[b], topk) index entries (all topk without topk_lens).
+// The split schedule calls this with only the fields it reads set: batch,
+// and seq_lens and max_pages_per_seq * page_size, or indices as a flag (never
+// read: the sparse schedule call points it at topk_lens), topk, topk_lens and
+// sparse_group (ffi/cuda_handlers.cc).
 __device__ __forceinline__ RequestSpan request_span(const PagedDecodeParams& p, int r) {
   if (p.indices != nullptr) {
     int64_t len = p.topk;

@@ -465,8 +465,8 @@ Outcome run_case(const Case& c, std::mt19937_64& rng, const DeviceInfo& dev) {
   const int64_t rows = c.sparse ? c.heads : int64_t{c.heads} * c.q_len;
   const int workspace_parts = std::max<int>(1, dev.sm_count / static_cast<int>((rows + 63) / 64));
   DecodeFacts facts = call_facts(op, dp, dev.arch, dev.sm_count, build_has_sm90a(), workspace_parts);
-  // A paged call carries the schedule operand, as mla_jax.paged_decode's do.
-  facts.schedule_operand = !c.sparse;
+  // The call carries the schedule operand, as the JAX ops' CUDA calls do.
+  facts.schedule_operand = true;
   KernelConfig request;
   std::string why;
   if (!parse_config(c.request, &request, &why)) {
@@ -499,7 +499,8 @@ Outcome run_case(const Case& c, std::mt19937_64& rng, const DeviceInfo& dev) {
   if (sel.config.schedule == ScheduleMode::kStep) {
     schedule.upload();
     carve_schedule(static_cast<char*>(schedule.dev), layout, &ws);
-    CUDA_OK(run_decode_schedule(dp, ws, parts, c.max_num_splits, nullptr));
+    CUDA_OK(c.sparse ? run_sparse_decode_schedule(dp, ws, parts, nullptr)
+                     : run_decode_schedule(dp, ws, parts, c.max_num_splits, nullptr));
   }
   cudaError_t err = c.sparse ? run_sparse_decode(dp, ws, sel.config, parts, nullptr)
                              : run_paged_decode(dp, ws, sel.config, parts, c.max_num_splits, nullptr);
