@@ -713,3 +713,36 @@ def test_hopper_swapab_inline_schedule_matches_scheduler_kernel(heads):
   (out, lse), (out_k, lse_k) = results
   np.testing.assert_array_equal(np.asarray(out_k.astype(jnp.float32)), np.asarray(out.astype(jnp.float32)))
   np.testing.assert_array_equal(np.asarray(lse_k), np.asarray(lse))
+
+
+@GPU
+@pytest.mark.parametrize("kernel,heads,others", [
+    ("sm90_seesaw", 128, ("block", "kernel")),   # two row blocks
+    ("sm90_seesaw", 64, ("block",)),
+    ("sm90_swapab", 16, ("kernel",)),
+])
+def test_hopper_sparse_step_schedule_matches_the_kernels_own(kernel, heads, others):
+  """Above 32 query tokens auto takes schedule "step": the op's schedule call, over topk_lens
+  alone, computes the items that the decode reads. The scheduler kernel and the seesaw kernel's
+  block schedule run the same scheduling code on the same lengths: the same items in the same
+  order, so the outputs agree bit for bit. 24 entries x q_len 2 (48 query tokens) of the
+  long-items inputs (zero, short and full topk_lens, garbage after them, padding in the
+  middle), against the float64 reference."""
+  if not _hopper():
+    pytest.skip("needs an sm_90 GPU and a build with sm_90a code")
+  case, kv, idx, lens = _long_items_case(seed_of("sparse-step", kernel, heads), 24, heads, "pow2", 17, 6, {2: 65})
+  auto = mla_jax.explain(case.plan("cuda"), case.query, kv, idx).kernel
+  assert (auto.kernel, auto.schedule) == (kernel, "step"), str(auto)
+  results = []
+  for schedule in ("step",) + others:
+    plan = dataclasses.replace(case.plan("cuda"), kernel=mla_jax.KernelChoice(kernel=kernel, schedule=schedule))
+    got = mla_jax.explain(plan, case.query, kv, idx).kernel
+    assert (got.kernel, got.schedule) == (kernel, schedule), str(got)
+    results.append(run_sparse("cuda", case.query, kv, idx, plan, topk_lens=lens))
+  ref_out, ref_lse = reference_sparse_decode(case.query.astype(np.float32), kv, idx, case.plan("xla"),
+                                             topk_lens=lens)
+  assert_matches(*results[0], ref_out, ref_lse, case.dtype)
+  out, lse = results[0]
+  for out_o, lse_o in results[1:]:
+    np.testing.assert_array_equal(np.asarray(out_o.astype(jnp.float32)), np.asarray(out.astype(jnp.float32)))
+    np.testing.assert_array_equal(np.asarray(lse_o), np.asarray(lse))
