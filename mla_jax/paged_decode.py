@@ -51,7 +51,8 @@ def _schedule(call: _op.Call, args, sel: kernels.Selection):
   """The CUDA call's schedule operand: with schedule "step", the result of
   the schedule call over block_table and seq_lens (pure, so XLA runs one for
   every decode call of an unrolled program with the same metadata and
-  attributes; inside a lax.scan it stays in the loop body); otherwise an
+  attributes; inside a lax.scan it stays in the loop body, since XLA:GPU
+  runs no loop-invariant code motion); otherwise an
   empty buffer (the decode schedules itself)."""
   if sel.config.schedule != "step":
     return (jnp.zeros((0,), jnp.uint8),)
