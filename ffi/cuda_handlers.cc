@@ -165,6 +165,31 @@ ffi::Error sparse_decode_cuda_impl(cudaStream_t stream, int32_t device_ordinal, 
   return launch_status(kSparseDecodeOp, run, run_sparse_decode(params, run.ws, run.config, run.num_parts, stream));
 }
 
+// What both schedule calls share: the schedule result of `requests` kernel
+// requests of `rows` query rows, carved as the decode calls will find it
+// (prepare()), and the partitions they will use (num_partitions of this
+// device with the same workspace_parts).
+ffi::Error carve_schedule_result(const char* op, int32_t device_ordinal, ffi::Result<ffi::AnyBuffer>& schedule,
+                                 int64_t requests, int64_t rows, int64_t workspace_parts, DecodeWorkspace* ws,
+                                 int* parts) {
+  if (workspace_parts < 1 || workspace_parts > (int64_t{1} << 20))
+    return invalid_argument(op, "workspace_parts must be in [1, 2^20], got " + std::to_string(workspace_parts));
+  const DeviceInfo dev = device_info(device_ordinal);
+  if (dev.status != cudaSuccess)
+    return internal_error(op, std::string("cannot query the CUDA device: ") + cudaGetErrorString(dev.status));
+  const WorkspaceLayout layout = workspace_layout(requests, rows, 0, workspace_parts);
+  if (layout.max_items > INT32_MAX) return invalid_argument(op, "too many requests for one call");
+  ffi::Error err = ffi::Error::Success();
+  char* base = checked_base(op, "schedule result", schedule->untyped_data(), schedule->size_bytes(),
+                            schedule_bytes(layout), &err);
+  if (base == nullptr) return err;
+  ws->max_items = static_cast<int>(layout.max_items);
+  ws->item_regions = layout.item_regions;
+  carve_schedule(base, layout, ws);
+  *parts = num_partitions(dev.sm_count, rows, static_cast<int>(workspace_parts));
+  return ffi::Error::Success();
+}
+
 // Paged decode's schedule (ScheduleMode::kStep): the scheduler kernel over
 // block_table's width and seq_lens, into a buffer laid out as the tail of the
 // decode's workspace (schedule_bytes). Pure: XLA runs it once for all the
@@ -183,18 +208,11 @@ ffi::Error paged_decode_schedule_cuda_impl(cudaStream_t stream, int32_t device_o
     return invalid_argument(op, "q_len, num_heads, page_size or the block table's shape out of range");
   if (max_num_splits < 0 || max_num_splits > INT32_MAX)
     return invalid_argument(op, "max_num_splits must be >= 0, got " + std::to_string(max_num_splits));
-  if (workspace_parts < 1 || workspace_parts > (int64_t{1} << 20))
-    return invalid_argument(op, "workspace_parts must be in [1, 2^20], got " + std::to_string(workspace_parts));
-  const DeviceInfo dev = device_info(device_ordinal);
-  if (dev.status != cudaSuccess)
-    return internal_error(op, std::string("cannot query the CUDA device: ") + cudaGetErrorString(dev.status));
-  const int64_t rows = q_len * num_heads;
-  const WorkspaceLayout layout = workspace_layout(bt[0], rows, 0, workspace_parts);
-  if (layout.max_items > INT32_MAX) return invalid_argument(op, "too many requests for one call");
-  ffi::Error check = ffi::Error::Success();
-  char* base = checked_base(op, "schedule result", schedule->untyped_data(), schedule->size_bytes(),
-                            schedule_bytes(layout), &check);
-  if (base == nullptr) return check;
+  DecodeWorkspace ws;
+  int parts = 1;
+  ffi::Error check = carve_schedule_result(op, device_ordinal, schedule, bt[0], q_len * num_heads, workspace_parts,
+                                           &ws, &parts);
+  if (check.failure()) return check;
   PagedDecodeParams p;
   p.batch = static_cast<int>(bt[0]);
   p.q_len = static_cast<int>(q_len);
@@ -203,13 +221,6 @@ ffi::Error paged_decode_schedule_cuda_impl(cudaStream_t stream, int32_t device_o
   p.max_pages_per_seq = static_cast<int>(bt[1]);
   p.block_table = block_table.typed_data();
   p.seq_lens = seq_lens.typed_data();
-  DecodeWorkspace ws;
-  ws.max_items = static_cast<int>(layout.max_items);
-  ws.item_regions = layout.item_regions;
-  carve_schedule(base, layout, &ws);
-  // The same partitions as the decode calls: num_partitions of this device
-  // with the same workspace_parts (cuda_handlers prepare()).
-  const int parts = num_partitions(dev.sm_count, rows, static_cast<int>(workspace_parts));
   const cudaError_t err = run_decode_schedule(p, ws, parts, static_cast<int>(max_num_splits), stream);
   if (err != cudaSuccess) return internal_error(op, std::string("kernel launch failed: ") + cudaGetErrorString(err));
   return ffi::Error::Success();
@@ -229,18 +240,12 @@ ffi::Error sparse_decode_schedule_cuda_impl(cudaStream_t stream, int32_t device_
   if (q_len < 1 || q_len > 1024 || num_heads < 1 || num_heads > 1024 || topk < 1 || topk > (int64_t{1} << 30) ||
       ld[0] * q_len > INT32_MAX)
     return invalid_argument(op, "q_len, topk, num_heads or the batch out of range");
-  if (workspace_parts < 1 || workspace_parts > (int64_t{1} << 20))
-    return invalid_argument(op, "workspace_parts must be in [1, 2^20], got " + std::to_string(workspace_parts));
-  const DeviceInfo dev = device_info(device_ordinal);
-  if (dev.status != cudaSuccess)
-    return internal_error(op, std::string("cannot query the CUDA device: ") + cudaGetErrorString(dev.status));
-  const int64_t requests = ld[0] * q_len;
-  const WorkspaceLayout layout = workspace_layout(requests, num_heads, 0, workspace_parts);
-  if (layout.max_items > INT32_MAX) return invalid_argument(op, "too many requests for one call");
-  ffi::Error check = ffi::Error::Success();
-  char* base = checked_base(op, "schedule result", schedule->untyped_data(), schedule->size_bytes(),
-                            schedule_bytes(layout), &check);
-  if (base == nullptr) return check;
+  // Every query token is a request of num_heads rows (run_sparse_decode).
+  DecodeWorkspace ws;
+  int parts = 1;
+  ffi::Error check = carve_schedule_result(op, device_ordinal, schedule, ld[0] * q_len, num_heads, workspace_parts,
+                                           &ws, &parts);
+  if (check.failure()) return check;
   // The schedule reads the request lengths only: indices must be set (it
   // marks the sparse form) but is never read, so it points at topk_lens.
   PagedDecodeParams p;
@@ -250,11 +255,6 @@ ffi::Error sparse_decode_schedule_cuda_impl(cudaStream_t stream, int32_t device_
   p.topk = static_cast<int>(topk);
   p.topk_lens = topk_lens.typed_data();
   p.indices = topk_lens.typed_data();
-  DecodeWorkspace ws;
-  ws.max_items = static_cast<int>(layout.max_items);
-  ws.item_regions = layout.item_regions;
-  carve_schedule(base, layout, &ws);
-  const int parts = num_partitions(dev.sm_count, num_heads, static_cast<int>(workspace_parts));
   const cudaError_t err = run_sparse_decode_schedule(p, ws, parts, stream);
   if (err != cudaSuccess) return internal_error(op, std::string("kernel launch failed: ") + cudaGetErrorString(err));
   return ffi::Error::Success();
