@@ -98,6 +98,24 @@ def varying_like_inputs(outs, args):
                for o in outs)
 
 
+def schedule_operand(sel: kernels.Selection, target: str, requests, rows: int, metadata, **attrs):
+  """The CUDA call's schedule operand (a 1-tuple): with schedule "step", the
+  uint8 result of the op's schedule call `target` over `metadata` (the only
+  arrays it reads; pure, so XLA runs one for every decode call of an unrolled
+  program with the same metadata and attributes; inside a lax.scan it stays
+  in the loop body, since XLA:GPU runs no loop-invariant code motion), sized
+  for `requests` kernel requests (possibly symbolic) of `rows` query rows as
+  the handler lays it out (schedule_size); otherwise an empty buffer (the
+  decode schedules itself)."""
+  if sel.config.schedule != "step":
+    return (jnp.zeros((0,), jnp.uint8),)
+  parts = int(sel.attrs["workspace_parts"])
+  per_request, fixed = _ffi.ext().schedule_size(rows, parts)
+  sched = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((per_request * requests + fixed,), jnp.uint8))(
+      *metadata, workspace_parts=parts, **attrs)
+  return varying_like_inputs((sched,), metadata)
+
+
 def select_cuda(spec: OpSpec, call: Call, args, device=kernels.VISIBLE) -> kernels.Selection:
   """The trace-time kernel selection of a CUDA call."""
   requests, rows = spec.kernel_shape(call, args[0])

@@ -48,22 +48,12 @@ def _kernel_shape(call: _op.Call, q_nope):
 
 
 def _schedule(call: _op.Call, args, sel: kernels.Selection):
-  """The CUDA call's schedule operand: with schedule "step", the result of
-  the schedule call over block_table and seq_lens (pure, so XLA runs one for
-  every decode call of an unrolled program with the same metadata and
-  attributes; inside a lax.scan it stays in the loop body, since XLA:GPU
-  runs no loop-invariant code motion); otherwise an
-  empty buffer (the decode schedules itself)."""
-  if sel.config.schedule != "step":
-    return (jnp.zeros((0,), jnp.uint8),)
+  """The schedule operand (_op.schedule_operand) over block_table and seq_lens."""
   q_nope, block_table, seq_lens = args[0], args[4], args[5]
   b, q, h = q_nope.shape[:3]
-  parts = sel.attrs["workspace_parts"]
-  per_request, fixed = _ffi.ext().schedule_size(q * h, parts)
-  sched = jax.ffi.ffi_call(_ffi.SCHEDULE_CUDA_TARGET, jax.ShapeDtypeStruct((per_request * b + fixed,), jnp.uint8))(
-      block_table, seq_lens, q_len=int(q), num_heads=int(h), page_size=int(call.plan.page_size),
-      max_num_splits=int(call.plan.max_num_splits or 0), workspace_parts=int(parts))
-  return _op.varying_like_inputs((sched,), (block_table, seq_lens))
+  return _op.schedule_operand(sel, _ffi.SCHEDULE_CUDA_TARGET, b, q * h, (block_table, seq_lens), q_len=int(q),
+                              num_heads=int(h), page_size=int(call.plan.page_size),
+                              max_num_splits=int(call.plan.max_num_splits or 0))
 
 
 def _xla(call: _op.Call, *args):

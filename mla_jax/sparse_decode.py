@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -48,20 +47,13 @@ def _kernel_shape(call: _op.Call, q_nope):
 
 
 def _schedule(call: _op.Call, args, sel: kernels.Selection):
-  """The CUDA call's schedule operand: with schedule "step", the result of
-  the schedule call over topk_lens (pure and independent of the indices, so
-  XLA runs one for every decode call of an unrolled program with the same
-  topk_lens and shapes: a step's layers); otherwise an empty buffer."""
-  if sel.config.schedule != "step":
-    return (jnp.zeros((0,), jnp.uint8),)
+  """The schedule operand (_op.schedule_operand) over topk_lens alone: it does
+  not depend on the indices, so a step's layers share it. Every query token
+  is a request of H rows."""
   q_nope, indices, topk_lens = args[0], args[3], args[4]
   b, q, h = q_nope.shape[:3]
-  parts = sel.attrs["workspace_parts"]
-  per_request, fixed = _ffi.ext().schedule_size(h, parts)
-  sched = jax.ffi.ffi_call(_ffi.SPARSE_SCHEDULE_CUDA_TARGET,
-                           jax.ShapeDtypeStruct((per_request * b * q + fixed,), jnp.uint8))(
-      topk_lens, q_len=int(q), topk=int(indices.shape[-1]), num_heads=int(h), workspace_parts=int(parts))
-  return _op.varying_like_inputs((sched,), (topk_lens,))
+  return _op.schedule_operand(sel, _ffi.SPARSE_SCHEDULE_CUDA_TARGET, b * q, h, (topk_lens,), q_len=int(q),
+                              topk=int(indices.shape[-1]), num_heads=int(h))
 
 
 def _xla(call: _op.Call, *args):
