@@ -131,14 +131,16 @@ def test_swapab_serves_fp8_caches_with_few_rows_only():
     (128, "fp8_ds_mla", jnp.bfloat16, 1023, "sm90_lockstep"), (64, "fp8_ds_mla", jnp.bfloat16, 1024, "sm90_seesaw"),
     (64, "fp8_ds_mla", jnp.bfloat16, 768, "sm90_lockstep"), (64, "fp8_ds_mla", jnp.bfloat16, 512, "sm90_lockstep"),
     (128, "fp8_ds_mla", jnp.float16, 2048, "sm90_lockstep"),
-    (32, "bf16", jnp.bfloat16, 2048, "portable"), (16, "fp8_ds_mla", jnp.bfloat16, 2048, "sm90_swapab"),
+    (32, "bf16", jnp.bfloat16, 2048, "sm90_lockstep"), (16, "fp8_ds_mla", jnp.bfloat16, 2048, "sm90_swapab"),
     (12, "fp8_ds_mla", jnp.bfloat16, 128, "sm90_swapab"), (1, "fp8_ds_mla", jnp.bfloat16, 2048, "sm90_swapab"),
-    (16, "fp8_ds_mla", jnp.float16, 2048, "portable"), (16, "bf16", jnp.bfloat16, 2048, "portable")])
+    (16, "fp8_ds_mla", jnp.float16, 2048, "portable"), (16, "bf16", jnp.bfloat16, 2048, "sm90_lockstep"),
+    (1, "bf16", jnp.bfloat16, 64, "sm90_lockstep")])
 def test_sparse_capability_table(heads, kv_format, q_dtype, topk, want):
   # fp8_ds_mla with a bf16 query and 32 heads or fewer: the swap-AB kernel
   # (rows gathered by index); more heads: the seesaw kernel (its gathering
   # form) from top-k 1024 on, else the lock-step kernel, as with an fp16
-  # query.
+  # query. A bf16/fp16 cache in the query dtype: the lock-step kernel at
+  # every head count.
   plan = mla_jax.SparseDecodePlan(num_heads=heads, page_size=64, sm_scale=SM_SCALE, topk=topk, kv_format=kv_format,
                                   backend="cuda")
   kv = (jax.ShapeDtypeStruct((20, 64, 656), jnp.uint8) if kv_format == "fp8_ds_mla"
