@@ -139,8 +139,8 @@ class SparseDecodePlan:
       :class:`DecodePlan`. On sm_90 "auto" picks, for fp8_ds_mla rows with
       a bf16 query, "sm90_swapab" up to 32 heads and above that
       "sm90_seesaw" from top-k 1024, else "sm90_lockstep"; with an fp16
-      query "sm90_lockstep" above 16 heads; a "bf16" cache
-      "sm90_lockstep" above 32 heads; "portable" otherwise
+      query "sm90_lockstep" above 16 heads; a "bf16" cache in the query
+      dtype "sm90_lockstep" at every head count; "portable" otherwise
       (:func:`mla_jax.explain` says which and why).
 
   The latent widths are fixed by the fp8_ds_mla layout: ``kv_lora_rank`` is

@@ -181,10 +181,10 @@ Selection select_kernel(const DecodeFacts& f, const KernelConfig& requested, std
   // the portable kernel's 32-row block costs about as much per tile as its
   // 64-row one, so from 17 query rows on the lock-step kernel is the faster
   // (docs/perf.md, "FP8 caches"); with 16 rows or fewer the portable
-  // kernel's 16-row block is. Sparse bf16/fp16 rows, gathered one by one,
-  // keep both kernels waiting on the gathers at any row count: there the
-  // lock-step kernel is the faster from one row on (8 to 32 heads measured,
-  // docs/perf.md, "Sparse bf16 rows").
+  // kernel's 16-row block is. Sparse bf16/fp16 rows, gathered one by one:
+  // with 32 rows or fewer both kernels wait on the gathers, and the
+  // lock-step kernel is the faster (bf16, 8 to 32 heads measured; fewer
+  // heads and fp16 assumed alike: docs/perf.md, "Sparse bf16 rows").
   const bool lockstep_rows = fp8 ? rows > 16 : wide || f.op == DecodeOp::kSparse;
   // The swap-AB kernel: a dense e4m3 cache TMA loads tile by tile (its
   // boxes land the raw bytes), 32 query rows or fewer (wgmma's N). It is
