@@ -30,13 +30,13 @@ namespace mla_jax {
 namespace smxx {
 
 constexpr int kSplitOverhead = 2;
-// Least work (blocks) worth a partition of its own: below it, a split's
-// fixed cost (query load, partial write, combine read) outweighs the
-// parallelism, so small batches use fewer partitions. 2 was faster than 3
-// on the small-batch rows measured and 4 no faster, for both kernels; 1
-// helped some seesaw rows and slowed the swap-AB ones (docs/perf.md, What
-// was tried).
-// Only lines shorter than kMinPartWork * num_parts see it.
+// Least work (blocks) worth a partition of its own on a line longer than
+// num_parts: there the longest partition is two units or more whatever the
+// count, and fewer, longer partitions save splits' fixed cost (query load,
+// partial write, combine read). 2 was faster than 3 on the small-batch rows
+// measured and 4 no faster. A line of at most num_parts units gets a
+// partition per unit instead: its longest partition is one unit, not two
+// (docs/perf.md, What was tried).
 constexpr int kMinPartWork = 2;
 
 // num / den for num >= 0, den > 0: one 32-bit unsigned division where both
@@ -56,7 +56,10 @@ __device__ __forceinline__ int num_blocks_of(const PagedDecodeParams& p, int b) 
 }
 
 // Partitions used for `work` blocks on the line: at most num_parts, at least 1.
+// Every schedule (inline, block, the scheduler kernel) cuts with it, so all
+// of them agree bit for bit.
 __device__ __forceinline__ int partitions_for(int64_t work, int num_parts) {
+  if (work <= num_parts) return work > 0 ? static_cast<int>(work) : 1;
   const int64_t wanted = (work + kMinPartWork - 1) / kMinPartWork;
   return static_cast<int>(wanted < num_parts ? (wanted > 0 ? wanted : 1) : num_parts);
 }
