@@ -635,7 +635,7 @@ def bench_row(i, row, args, ceil, anchors, primary, target, t_budget, peer=None)
              host_us=m["us"] - m["us_device"] if "us" in m and "us_device" in m else None,
              flashmla_us=fr.get("us"), flashmla_dobench_us=fr.get("us_dobench"), xla_us=x.get("us"))
   xa = anchors["xla_einsum"].get(key)
-  if xa and not args.smoke:
+  if xa and not args.smoke and PAGE_SIZE == 64:
     rec["xla_einsum_anchor_us"] = xa
   del qs, caches, data
   return rec

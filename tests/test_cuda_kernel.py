@@ -247,6 +247,24 @@ def test_inline_schedule_matches_scheduler_kernel_bitwise(heads, max_num_splits,
   _check_same_bits_with_scheduler_kernel(d, plan, own="inline")
 
 
+@pytest.mark.parametrize("heads,max_num_splits", [(16, None), (16, 2), (128, None)])
+def test_inline_schedule_on_a_short_line_matches_scheduler_kernel_bitwise(heads, max_num_splits):
+  # A work line of at most num_parts units (requests x (64-token blocks + 2))
+  # is cut into one partition per unit (csrc/smxx/schedule_math.cuh): every
+  # overhead unit is a partition without an item, an empty request one item
+  # of no blocks. The inline schedule, `step` and the scheduler kernel must
+  # place the same items; capped at 2 splits the equal pieces take over.
+  rng = np.random.default_rng(23 + heads + (max_num_splits or 0))
+  lens = [0, 1, 64, 65, 300, 700, 1000]
+  parts = cuda_num_parts(heads)
+  work = sum(-(-n // 64) + 2 for n in lens)
+  assert work <= parts, (work, parts)
+  d = random_paged_inputs(rng, lens, num_heads=heads, page_size=64)
+  plan = mla_jax.DecodePlan(num_heads=heads, page_size=64, sm_scale=SM_SCALE, backend="cuda",
+                            max_num_splits=max_num_splits)
+  _check_same_bits_with_scheduler_kernel(d, plan, own="inline")
+
+
 @pytest.mark.parametrize("heads,q_len,lens,max_num_splits", [
     (128, 1, "mixed40", None),     # cut schedule, one chunk of the block schedule
     (128, 1, "equal130", None),    # whole requests
@@ -490,7 +508,8 @@ def _snake_case_lengths(rng, parts, layout):
   n = -(-lens.astype(np.int64) // 64)
   load = n + 2
   work = int(load.sum())
-  assert min(-(-work // 2), parts) == parts  # all `parts` partitions used (kMinPartWork 2)
+  # All `parts` partitions used: the line is longer than num_parts, so kMinPartWork 2 applies.
+  assert work > parts and min(-(-work // 2), parts) == parts
   share = -(-work // parts)
   start = np.cumsum(load) - load  # a request's place on the work line
   first_block = np.where(n > 0, start + 2, start)  # (an empty request: its own place)
