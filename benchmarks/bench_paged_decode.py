@@ -63,7 +63,8 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
-PAGE_SIZE = 64            # --page-size sets it for a run (FlashMLA and the native timer take 64 only)
+PEER_PAGE_SIZE = 64       # FlashMLA, its anchors and the native timer take 64-token pages only
+PAGE_SIZE = PEER_PAGE_SIZE  # --page-size sets it for a run
 D_QK, D_V = 576, 512
 SM_SCALE = 1.0 / math.sqrt(192.0)
 NOMINAL_BW = 4.3e12      # B/s, device copy counting read+write (earlier H200 sessions)
@@ -618,7 +619,7 @@ def bench_row(i, row, args, ceil, anchors, primary, target, t_budget, peer=None)
   fm = anchors["flashmla"].get(key)
   if "us" in fr and fr.get("status") == "ok":  # a peer result that failed its check is no reference
     rec["flashmla"] = dict(source="same_run", us=fr["us"], us_scaled_to_our_sum_seq=fr["us"])
-  elif fm and not args.smoke and PAGE_SIZE == 64:
+  elif fm and not args.smoke and PAGE_SIZE == PEER_PAGE_SIZE:
     # Σseq-normalised FlashMLA time (identical to raw for fixed-length rows).
     fm_scaled = fm["us"] * sum_seq / fm["sum_seq"]
     rec["flashmla"] = dict(source="anchor", us=fm["us"], sum_seq=fm["sum_seq"],
@@ -635,7 +636,7 @@ def bench_row(i, row, args, ceil, anchors, primary, target, t_budget, peer=None)
              host_us=m["us"] - m["us_device"] if "us" in m and "us_device" in m else None,
              flashmla_us=fr.get("us"), flashmla_dobench_us=fr.get("us_dobench"), xla_us=x.get("us"))
   xa = anchors["xla_einsum"].get(key)
-  if xa and not args.smoke and PAGE_SIZE == 64:
+  if xa and not args.smoke and PAGE_SIZE == PEER_PAGE_SIZE:
     rec["xla_einsum_anchor_us"] = xa
   del qs, caches, data
   return rec
@@ -925,9 +926,9 @@ def main(argv=None):
                  help="requests per row checked against the float64 reference (default 3)")
   p.add_argument("--no-device-time", action="store_true",
                  help="skip the profiler-trace device time of the timed op (GPU only)")
-  p.add_argument("--page-size", type=int, default=PAGE_SIZE,
-                 help=f"the cache's page_size (default {PAGE_SIZE}); FlashMLA and --native-timing run at "
-                      f"{PAGE_SIZE} only and are left out at another")
+  p.add_argument("--page-size", type=int, default=PEER_PAGE_SIZE,
+                 help=f"the cache's page_size (default {PEER_PAGE_SIZE}); FlashMLA and --native-timing run at "
+                      f"{PEER_PAGE_SIZE} only and are left out at another")
   p.add_argument("--native-timing", default=None, metavar="PATH",
                  help="mla_jax_decode_timing binary (built with MLA_JAX_KERNEL_DRIVER=ON): run it first "
                       "on the same rows and report the kernels' CUDA-graph time beside the JAX figures")
@@ -938,10 +939,8 @@ def main(argv=None):
   args = p.parse_args(argv)
   if args.page_size < 1:
     p.error(f"--page-size must be positive, got {args.page_size}")
-  if args.page_size != PAGE_SIZE:
-    if args.native_timing:
-      p.error(f"--native-timing times page_size {PAGE_SIZE} only, not {args.page_size}")
-    args.flashmla = "off"   # FlashMLA's decode takes 64-token pages only
+  if args.page_size != PEER_PAGE_SIZE and args.native_timing:
+    p.error(f"--native-timing times page_size {PEER_PAGE_SIZE} only, not {args.page_size}")
   PAGE_SIZE = args.page_size
   if args.out is None and args.smoke:
     args.out = str(REPO / "benchmarks" / "results" / "smoke.json")
@@ -962,9 +961,10 @@ def main(argv=None):
             if args.native_timing else {})
   native_s = time.perf_counter() - t_start
   t_budget = time.perf_counter()  # --budget-s counts from here: the native timer's time is its own
-  peer, why = None, ("--flashmla off" if args.page_size == 64 else f"page_size {args.page_size} (FlashMLA takes 64)") \
-      if args.flashmla == "off" else "--smoke"
-  if args.flashmla == "auto" and not args.smoke:
+  peer, why = None, "--flashmla off" if args.flashmla == "off" else "--smoke"
+  if PAGE_SIZE != PEER_PAGE_SIZE:
+    why = f"page_size {PAGE_SIZE} (FlashMLA takes {PEER_PAGE_SIZE})"
+  elif args.flashmla == "auto" and not args.smoke:
     import flashmla_peer  # beside this script
     peer, why = flashmla_peer.load()
   if peer is not None:
