@@ -328,8 +328,9 @@ def test_workspace_is_affine_in_the_batch():
   ext = mla_jax._ffi.ext()
   per_request, fixed = ext.workspace_size(128, 512, 132)
   assert per_request > 0 and fixed > 0 and per_request % 8 == 0
-  # every request brings its partial output rows, LSEs, items and metadata,
-  # each region's per-request share rounded up to a 128-byte line
-  assert per_request == 128 * 512 * 4 + 128 * 4 + 128 + 128
+  # every request brings its partial output rows (16-bit, the output's
+  # dtype), LSEs, items and metadata, each region's per-request share
+  # rounded up to a 128-byte line
+  assert per_request == 128 * 512 * 2 + 128 * 4 + 128 + 128
   assert per_request % 128 == 0 and fixed % 128 == 0
   assert np.all(np.asarray(ext.workspace_size(1, 512, 1)) > 0)

@@ -28,7 +28,7 @@ constexpr int kMaxSupportedSmCount = 160;
 
 // Byte offsets of the regions for R requests (see DecodeWorkspace).
 struct WorkspaceLayout {
-  int64_t out_accum = 0;     // float [max_items, rows, dv]
+  int64_t out_accum = 0;     // 16-bit [max_items, rows, dv], the output's dtype
   int64_t lse_accum = 0;     // float [max_items, rows]
   int64_t items = 0;         // int32 [item_regions * max_items, 4]
   int64_t request_meta = 0;  // int32 [R, 2]
@@ -39,6 +39,15 @@ struct WorkspaceLayout {
 };
 
 constexpr int64_t kWorkspaceAlign = 128;  // bytes: one L2 line
+
+// Bytes of one partial output value. Split requests store their normalised
+// partial outputs in the output's 16-bit dtype (bf16 or fp16, the only
+// output dtypes of the CUDA kernels): half the bytes of float32 to write
+// in each split's epilogue and to read back in the combine, at the cost of
+// one rounding of each partial before the combine weights it (the combine
+// still adds in float32). A partial is a convex combination of V rows, as
+// the output is, so it fits the output's range whenever the output does.
+constexpr int64_t kPartialBytes = 2;
 
 MLA_HOST_DEVICE constexpr int64_t round_up_line(int64_t x) {
   return (x + kWorkspaceAlign - 1) / kWorkspaceAlign * kWorkspaceAlign;
@@ -55,7 +64,7 @@ MLA_HOST_DEVICE constexpr WorkspaceLayout workspace_layout(int64_t requests, int
   w.max_items = requests + parts;
   w.item_regions = static_cast<int>(row_blocks);
   w.out_accum = 0;
-  w.lse_accum = w.out_accum + w.max_items * round_up_line(rows * dv * 4);
+  w.lse_accum = w.out_accum + w.max_items * round_up_line(rows * dv * kPartialBytes);
   w.items = w.lse_accum + w.max_items * round_up_line(rows * 4);
   w.request_meta = w.items + w.max_items * round_up_line(row_blocks * 16);  // 16 bytes per item and region
   w.part_begin = w.request_meta + requests * round_up_line(8);
@@ -120,10 +129,18 @@ struct DecodeWorkspace {
   // items to region x as request, block begin, block end, the request's
   // item count.
   int32_t* items = nullptr;
-  float* out_accum = nullptr;  // [max_items, rows, kv_lora_rank]: normalised partial outputs
+  // [max_items, rows, kv_lora_rank]: normalised partial outputs in the
+  // output's dtype T (kPartialBytes each); read and written as partials<T>().
+  void* out_accum = nullptr;
   float* lse_accum = nullptr;  // [max_items, rows]: partial LSEs (natural log)
   int max_items = 0;           // >= requests + num_parts
   int item_regions = 1;        // regions of max_items entries in items
+
+  template <typename T>
+  MLA_HOST_DEVICE T* partials() const {
+    static_assert(sizeof(T) == kPartialBytes, "partials are stored in a 16-bit output dtype");
+    return static_cast<T*>(out_accum);
+  }
 };
 
 // The regions of a workspace buffer at `base` laid out by `layout`.
@@ -132,7 +149,7 @@ inline DecodeWorkspace carve_workspace(char* base, const WorkspaceLayout& layout
   ws.request_meta = reinterpret_cast<int32_t*>(base + layout.request_meta);
   ws.part_begin = reinterpret_cast<int32_t*>(base + layout.part_begin);
   ws.items = reinterpret_cast<int32_t*>(base + layout.items);
-  ws.out_accum = reinterpret_cast<float*>(base + layout.out_accum);
+  ws.out_accum = base + layout.out_accum;
   ws.lse_accum = reinterpret_cast<float*>(base + layout.lse_accum);
   ws.max_items = static_cast<int>(layout.max_items);
   ws.item_regions = layout.item_regions;

@@ -465,21 +465,14 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
           scale = 0.f;
         }
         const int64_t out_row = split ? int64_t{item} * rows + row : int64_t{b} * rows + row;
-        if (split) {
-          float* dst = ws.out_accum + out_row * Tr::kDimNope + wn * Tr::kOCols + 2 * tig;
+        // Split requests' partials are stored in T like the output (workspace.h).
+        T* dst = (split ? ws.partials<T>() : static_cast<T*>(p.out)) + out_row * Tr::kDimNope + wn * Tr::kOCols +
+                 2 * tig;
 #pragma unroll
-          for (int j = 0; j < Tr::kOTiles; ++j)
-            *reinterpret_cast<float2*>(dst + j * 8) =
-                make_float2(acc_o[mt][j][2 * rr] * scale, acc_o[mt][j][2 * rr + 1] * scale);
-          if (wn == 0 && tig == 0) ws.lse_accum[out_row] = lse;
-        } else {
-          T* dst = static_cast<T*>(p.out) + out_row * Tr::kDimNope + wn * Tr::kOCols + 2 * tig;
-#pragma unroll
-          for (int j = 0; j < Tr::kOTiles; ++j)
-            *reinterpret_cast<uint32_t*>(dst + j * 8) =
-                pack2<T>(acc_o[mt][j][2 * rr] * scale, acc_o[mt][j][2 * rr + 1] * scale);
-          if (wn == 0 && tig == 0) p.lse[out_row] = lse;
-        }
+        for (int j = 0; j < Tr::kOTiles; ++j)
+          *reinterpret_cast<uint32_t*>(dst + j * 8) =
+              pack2<T>(acc_o[mt][j][2 * rr] * scale, acc_o[mt][j][2 * rr + 1] * scale);
+        if (wn == 0 && tig == 0) (split ? ws.lse_accum : p.lse)[out_row] = lse;
       }
   }
 }

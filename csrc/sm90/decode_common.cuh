@@ -160,7 +160,7 @@ __device__ __forceinline__ void row_limits(const PagedDecodeParams& p, const Dec
 // domain, the same in both warpgroups); sRed: 2 x 64 floats of shared memory
 // no thread still reads. Writes LSE and O / sum (times kv_scale, and the
 // attention sink's factor when the request is not split) to the output, or
-// to the item's partials when the request is split. NaN rows for invalid
+// to the item's partials (in T, as the output) when the request is split. NaN rows for invalid
 // requests or bad page ids (s_bad_page: shared flag set by the copies).
 // staging: the KV stages (kStages x kTileBytes of shared memory), which no
 // load writes and no wgmma reads at an item's end.
@@ -223,22 +223,17 @@ __device__ __forceinline__ void write_item_output(const PagedDecodeParams& p, co
   // wg * kOCols + accumulator_col(wg_tid, i) of the block.
   const int valid_rows = min(Tr::kBlockM, rows - m0);
   const int64_t block_row = (split ? int64_t{item} : int64_t{it.b}) * rows + m0;  // output row of block row 0
-  auto stage_and_store = [&](auto* out) {
-    using OutT = std::remove_pointer_t<decltype(out)>;
-    constexpr int kRowBytes = Tr::kDimNope * static_cast<int>(sizeof(OutT));
+  auto stage_and_store = [&](T* out) {
+    constexpr int kRowBytes = Tr::kDimNope * static_cast<int>(sizeof(T));
     constexpr int kStride = kRowBytes + 16;
     static_assert(Tr::kBlockM * kStride <= Tr::kStages * Tr::kTileBytes, "the block fits the KV stages");
-    char* mine = staging + row_base * kStride + (wg * Tr::kOCols + accumulator_col(wg_tid, 0)) * sizeof(OutT);
+    char* mine = staging + row_base * kStride + (wg * Tr::kOCols + accumulator_col(wg_tid, 0)) * sizeof(T);
 #pragma unroll
     for (int i = 0; i < cute::size(tOrO); i += 2) {
       const int rr = accumulator_row_half(i);
       const float a = tOrO(i) * scale[rr], b = tOrO(i + 1) * scale[rr];
-      char* at = mine + rr * 8 * kStride + (accumulator_col(wg_tid, i) - accumulator_col(wg_tid, 0)) * sizeof(OutT);
-      if constexpr (std::is_same_v<OutT, float>) {
-        *reinterpret_cast<float2*>(at) = make_float2(a, b);
-      } else {
-        *reinterpret_cast<uint32_t*>(at) = smxx::pack2<T>(a, b);
-      }
+      char* at = mine + rr * 8 * kStride + (accumulator_col(wg_tid, i) - accumulator_col(wg_tid, 0)) * sizeof(T);
+      *reinterpret_cast<uint32_t*>(at) = smxx::pack2<T>(a, b);
     }
     __syncthreads();
     constexpr int kChunks = kRowBytes / 16;
@@ -252,11 +247,7 @@ __device__ __forceinline__ void write_item_output(const PagedDecodeParams& p, co
     // the barrier that starts it: order this thread's reads before them.
     fence_smem_for_wgmma();
   };
-  if (split) {
-    stage_and_store(ws.out_accum);
-  } else {
-    stage_and_store(static_cast<T*>(p.out));
-  }
+  stage_and_store(split ? ws.partials<T>() : static_cast<T*>(p.out));
 }
 
 }  // namespace sm90

@@ -1003,17 +1003,13 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 #pragma unroll
         for (int h = 0; h < 2; ++h) v[2 * mb + h] = tOrO((ci & 1) + 4 * (ci >> 1) + 2 * h, mb, 0) * scale;
       }
-      if (split) {
-        float4* dst = reinterpret_cast<float4*>(ws.out_accum + (block_row + col) * Tr::kDimNope + feat0);
+      // Split requests' partials are stored in T like the output (workspace.h).
+      uint4* dst = reinterpret_cast<uint4*>((split ? ws.partials<T>() : static_cast<T*>(p.out)) +
+                                            (block_row + col) * Tr::kDimNope + feat0);
 #pragma unroll
-        for (int k = 0; k < kFeat / 4; ++k) dst[k] = make_float4(v[4 * k], v[4 * k + 1], v[4 * k + 2], v[4 * k + 3]);
-      } else {
-        uint4* dst = reinterpret_cast<uint4*>(static_cast<T*>(p.out) + (block_row + col) * Tr::kDimNope + feat0);
-#pragma unroll
-        for (int k = 0; k < kFeat / 8; ++k)
-          dst[k] = make_uint4(smxx::pack2<T>(v[8 * k], v[8 * k + 1]), smxx::pack2<T>(v[8 * k + 2], v[8 * k + 3]),
-                              smxx::pack2<T>(v[8 * k + 4], v[8 * k + 5]), smxx::pack2<T>(v[8 * k + 6], v[8 * k + 7]));
-      }
+      for (int k = 0; k < kFeat / 8; ++k)
+        dst[k] = make_uint4(smxx::pack2<T>(v[8 * k], v[8 * k + 1]), smxx::pack2<T>(v[8 * k + 2], v[8 * k + 3]),
+                            smxx::pack2<T>(v[8 * k + 4], v[8 * k + 5]), smxx::pack2<T>(v[8 * k + 6], v[8 * k + 7]));
     };
     if constexpr (kSplit) {
       // Row col's (m, l) from its owner; each warpgroup writes its

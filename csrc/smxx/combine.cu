@@ -24,14 +24,14 @@ namespace {
 //   with fewer splits each.
 // * combine_rows_kernel, a warp per row over all of its columns: many pairs.
 // The rows kernels have no block barriers; the split weights pass between
-// lanes by shuffles and each lane keeps eight 16-byte loads in flight.
+// lanes by shuffles and each lane keeps sixteen 8-byte loads in flight.
 // Every grid gives the right answer for every shape; the two warp grids add
 // the splits in the same order, so they agree bit for bit.
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
-constexpr int kWarpColumns = 128;  // one float4 per lane
+constexpr int kWarpColumns = 128;  // four columns per lane
 constexpr int kRowWarps = 8;       // warps per CTA of combine_rows_kernel
-constexpr int kRowFloat4s = 4;     // float4s per lane of a 512-column row
+constexpr int kRowFloat4s = 4;     // groups of four columns per lane of a 512-column row
 constexpr int kWeightChunk = 256;  // splits whose weights are staged in shared memory at once
 
 template <typename OutT>
@@ -49,6 +49,31 @@ __device__ __forceinline__ void store4<__half>(__half* dst, float4 v) {
   __half2 lo = __floats2half2_rn(v.x, v.y), hi = __floats2half2_rn(v.z, v.w);
   uint2 packed = make_uint2(*reinterpret_cast<uint32_t*>(&lo), *reinterpret_cast<uint32_t*>(&hi));
   *reinterpret_cast<uint2*>(dst) = packed;
+}
+
+// Four consecutive partial values (8 bytes, stored in the output's dtype,
+// csrc/common/workspace.h) as floats. Loaded raw and converted where they
+// are added, so that loads in flight hold two registers each, not four.
+template <typename T>
+__device__ __forceinline__ float4 to_float4(uint2 raw);
+
+template <>
+__device__ __forceinline__ float4 to_float4<__nv_bfloat16>(uint2 raw) {
+  const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
+  const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
+  return make_float4(lo.x, lo.y, hi.x, hi.y);
+}
+
+template <>
+__device__ __forceinline__ float4 to_float4<__half>(uint2 raw) {
+  const float2 lo = __half22float2(*reinterpret_cast<const __half2*>(&raw.x));
+  const float2 hi = __half22float2(*reinterpret_cast<const __half2*>(&raw.y));
+  return make_float4(lo.x, lo.y, hi.x, hi.y);
+}
+
+template <typename T>
+__device__ __forceinline__ uint2 load_raw4(const T* src) {
+  return *reinterpret_cast<const uint2*>(src);
 }
 
 // acc += w * v for one split's four partial columns. A split of weight 0
@@ -127,10 +152,10 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(PagedDecodeParams p, 
     for (int i = threadIdx.x; i < n; i += kThreads)
       s_w[i] = __expf(lse_split[static_cast<int64_t>(c0 + i) * rows] - lse);
     __syncthreads();
-    const float* src = ws.out_accum + (static_cast<int64_t>(first + c0) * rows + row) * dv + d;
+    const OutT* src = ws.partials<OutT>() + (static_cast<int64_t>(first + c0) * rows + row) * dv + d;
 #pragma unroll 4
     for (int i = split_group; i < n; i += split_groups)
-      add_weighted(acc, s_w[i], *reinterpret_cast<const float4*>(src + i * split_stride));
+      add_weighted(acc, s_w[i], to_float4<OutT>(load_raw4(src + i * split_stride)));
   }
   if (split_groups > 1) {  // sum the split groups' partial sums into group 0
     s_acc[warp][lane] = acc;
@@ -177,7 +202,9 @@ __global__ void __launch_bounds__(kRowWarps * 32) combine_rows_kernel(PagedDecod
   MLA_JAX_PHASE(1);
   constexpr unsigned kAll = 0xffffffffu;
   constexpr int kDv = 32 * 4 * kRowFloat4s;
-  constexpr int kUnroll = 8 / kFloat4s;  // splits loaded at once: 8 float4 loads of a lane in flight
+  // Splits loaded at once: sixteen 8-byte loads (four 16-bit partials each)
+  // of a lane in flight.
+  constexpr int kUnroll = 16 / kFloat4s;
   const int b = blockIdx.x;
   const int splits = ws.request_meta[2 * b + 1];
   if (splits <= 1) return;
@@ -211,20 +238,20 @@ __global__ void __launch_bounds__(kRowWarps * 32) combine_rows_kernel(PagedDecod
   for (int k = 0; k < kFloat4s; ++k) acc[k] = make_float4(0.f, 0.f, 0.f, 0.f);
   if (!nan && lse != -INFINITY) {
     const int64_t split_stride = static_cast<int64_t>(rows) * kDv;
-    const float* src = ws.out_accum + (static_cast<int64_t>(first) * rows + row) * kDv + col0;
+    const OutT* src = ws.partials<OutT>() + (static_cast<int64_t>(first) * rows + row) * kDv + col0;
     for (int c0 = 0; c0 < splits; c0 += 32) {
       const int n = min(32, splits - c0);
       const float w_lane = lane < n ? __expf(lse_split[static_cast<int64_t>(c0 + lane) * rows] - lse) : 0.f;
       // kUnroll splits' loads are issued before any of them is added (the
       // guards are warp-uniform, so the shuffles stay convergent).
       for (int j0 = 0; j0 < n; j0 += kUnroll) {
-        float4 v[kUnroll][kFloat4s];
+        uint2 v[kUnroll][kFloat4s];
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u) {
           if (j0 + u < n) {
-            const float* s = src + (c0 + j0 + u) * split_stride;
+            const OutT* s = src + (c0 + j0 + u) * split_stride;
 #pragma unroll
-            for (int k = 0; k < kFloat4s; ++k) v[u][k] = *reinterpret_cast<const float4*>(s + k * 128);
+            for (int k = 0; k < kFloat4s; ++k) v[u][k] = load_raw4(s + k * 128);
           }
         }
 #pragma unroll
@@ -232,7 +259,7 @@ __global__ void __launch_bounds__(kRowWarps * 32) combine_rows_kernel(PagedDecod
           if (j0 + u < n) {
             const float w = __shfl_sync(kAll, w_lane, j0 + u);
 #pragma unroll
-            for (int k = 0; k < kFloat4s; ++k) add_weighted(acc[k], w, v[u][k]);
+            for (int k = 0; k < kFloat4s; ++k) add_weighted(acc[k], w, to_float4<OutT>(v[u][k]));
           }
         }
       }

@@ -75,7 +75,7 @@ __device__ __forceinline__ int part_of(int64_t pos, int64_t total, int parts) {
 }
 
 // Whole requests: placing every request, uncut, in the partition of its
-// first block avoids the split pieces' float32 partials and their combine,
+// first block avoids the split pieces' partials and their combine,
 // at the price of a less even load. The schedulers take it (by capping
 // every request at one item) when the busiest partition then carries at
 // most kWholeRequestSlackPct % more than the equal share of the cut
