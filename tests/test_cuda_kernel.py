@@ -327,14 +327,15 @@ def test_bad_page_in_split_request_few_splits():
   _check(out, lse, ref_out, ref_lse)
 
 
-@pytest.mark.parametrize("heads,q_len", [(12, 2), (128, 1)])
-def test_combine_grids(heads, q_len):
+@pytest.mark.parametrize("heads,q_len,dtype", [(12, 2, jnp.bfloat16), (128, 1, jnp.bfloat16), (12, 1, jnp.float16)])
+def test_combine_grids(heads, q_len, dtype):
   # The combine has three grids (csrc/smxx/combine.cu), chosen by the number
   # of (request, row) pairs and of splits per request; the plan's
   # KernelChoice.combine_grid forces each on the same split schedule: a bad page in a split request
   # (NaN), an empty request (-inf LSE), a zero-length neighbour, long and
   # short requests. The two warp grids add the splits in the same order, so
-  # they agree bit for bit.
+  # they agree bit for bit; the partials they read are in the output's dtype
+  # (both 16-bit dtypes are run).
   rng = np.random.default_rng(37 + heads)
   lens = [9000, 5, 0, 12000, 700, 3000, 20000, 64]
   d = random_paged_inputs(rng, lens, num_heads=heads, page_size=64, q_len=q_len)
@@ -343,7 +344,7 @@ def test_combine_grids(heads, q_len):
                             causal=q_len > 1, backend="cuda")
   results = {}
   for grid in ("block", "rows", "slices"):
-    results[grid] = _run(d, dataclasses.replace(plan, kernel=KernelChoice(combine_grid=grid)), jnp.bfloat16)
+    results[grid] = _run(d, dataclasses.replace(plan, kernel=KernelChoice(combine_grid=grid)), dtype)
     _check(*results[grid])
   ref_lse = results["rows"][3]  # the inputs reach the NaN and -inf paths (checked by _check above)
   assert np.isnan(ref_lse[3]).all() and np.isneginf(ref_lse[2]).all()
@@ -468,7 +469,7 @@ def test_whole_request_schedule_when_balanced(heads, q_len, per_part):
   # requests), while placed whole no partition carries more than 3 % above
   # that share, so the schedulers cut none (csrc/smxx/schedule_math.cuh).
   # The result must then equal the max_num_splits=1 schedule bit for bit; a
-  # cut request goes through float32 partials and the combine instead. Two
+  # cut request goes through 16-bit partials and the combine instead. Two
   # per partition at 16 heads is over 256 requests: the scheduler kernel's
   # second chunk.
   batch = per_part * cuda_num_parts(q_len * heads) - 2
@@ -539,7 +540,7 @@ def test_snake_whole_request_schedule_for_varied_lengths(kernel_choice, heads, l
   # dealt in snake order they fit it, so the block schedule (the scheduler
   # kernel, or every seesaw CTA) cuts none (csrc/smxx/schedule_math.cuh).
   # The result must then equal the max_num_splits=1 schedule (every request
-  # whole) bit for bit; a cut request goes through float32 partials and the
+  # whole) bit for bit; a cut request goes through 16-bit partials and the
   # combine instead.
   parts = _snake_parts_or_skip(heads, layout)
   rng = np.random.default_rng(53 + heads + len(layout))

@@ -45,8 +45,11 @@ constexpr int64_t kWorkspaceAlign = 128;  // bytes: one L2 line
 // output dtypes of the CUDA kernels): half the bytes of float32 to write
 // in each split's epilogue and to read back in the combine, at the cost of
 // one rounding of each partial before the combine weights it (the combine
-// still adds in float32). A partial is a convex combination of V rows, as
-// the output is, so it fits the output's range whenever the output does.
+// still adds in float32). A partial, like the output, is a convex
+// combination of V rows, so both lie within max |V| * kv_scale: bf16 has
+// float32's range; fp16 partials fit wherever that bound is below 65504
+// (beyond it, e.g. an e4m3 cache with kv_scale above 65504 / 448, a partial
+// can round to inf where the weighted sum would have been finite).
 constexpr int64_t kPartialBytes = 2;
 
 MLA_HOST_DEVICE constexpr int64_t round_up_line(int64_t x) {

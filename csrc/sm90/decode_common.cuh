@@ -217,7 +217,7 @@ __device__ __forceinline__ void write_item_output(const PagedDecodeParams& p, co
   // eight rows of one store instruction fall in different banks), then the
   // CTA copies whole rows out with 16-byte loads and stores, consecutive
   // threads on consecutive bytes. Stored from the accumulator layout
-  // directly, every warp store would touch eight rows (eight 16- or 32-byte
+  // directly, every warp store would touch eight rows (eight 16-byte
   // pieces). Element i
   // of tOrO is row row_base + 8 accumulator_row_half(i), column
   // wg * kOCols + accumulator_col(wg_tid, i) of the block.

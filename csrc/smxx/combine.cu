@@ -31,7 +31,7 @@ constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int kWarpColumns = 128;  // four columns per lane
 constexpr int kRowWarps = 8;       // warps per CTA of combine_rows_kernel
-constexpr int kRowFloat4s = 4;     // groups of four columns per lane of a 512-column row
+constexpr int kRowGroups = 4;      // groups of four columns per lane of a 512-column row
 constexpr int kWeightChunk = 256;  // splits whose weights are staged in shared memory at once
 
 template <typename OutT>
@@ -189,22 +189,22 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
-// grid: (batch, ceil(rows / kRowWarps), 4 / kFloat4s); warp w of CTA
-// (b, y, z) merges columns [128 kFloat4s z, 128 kFloat4s (z + 1)) of row
-// y * kRowWarps + w of request b. dv must be 32 * 4 * kRowFloat4s (512).
-// kFloat4s = 4: a warp per row; 1: a warp per 128-column slice of a row,
-// four times the warps for the same bytes, for grids too small to keep
-// every SM's loads in flight otherwise.
-template <typename OutT, int kFloat4s>
+// grid: (batch, ceil(rows / kRowWarps), 4 / kGroups); warp w of CTA
+// (b, y, z) merges columns [128 kGroups z, 128 kGroups (z + 1)) of row
+// y * kRowWarps + w of request b. dv must be 32 * 4 * kRowGroups (512).
+// kGroups (groups of four columns a lane) = 4: a warp per row; 1: a warp
+// per 128-column slice of a row, four times the warps for the same bytes,
+// for grids too small to keep every SM's loads in flight otherwise.
+template <typename OutT, int kGroups>
 __global__ void __launch_bounds__(kRowWarps * 32) combine_rows_kernel(PagedDecodeParams p, DecodeWorkspace ws) {
   MLA_JAX_PHASE_BEGIN();  // diagnostic builds: mark 1 once the decode kernel is waited for
   pdl_wait_for_previous();  // may be dispatched before the decode kernel ends (csrc/smxx/pdl.cuh)
   MLA_JAX_PHASE(1);
   constexpr unsigned kAll = 0xffffffffu;
-  constexpr int kDv = 32 * 4 * kRowFloat4s;
+  constexpr int kDv = 32 * 4 * kRowGroups;
   // Splits loaded at once: sixteen 8-byte loads (four 16-bit partials each)
   // of a lane in flight.
-  constexpr int kUnroll = 16 / kFloat4s;
+  constexpr int kUnroll = 16 / kGroups;
   const int b = blockIdx.x;
   const int splits = ws.request_meta[2 * b + 1];
   if (splits <= 1) return;
@@ -232,10 +232,10 @@ __global__ void __launch_bounds__(kRowWarps * 32) combine_rows_kernel(PagedDecod
   sum = warp_sum(sum);
   const float lse = nan ? NAN : (row_max == -INFINITY ? -INFINITY : row_max + logf(sum));
 
-  const int col0 = blockIdx.z * 128 * kFloat4s + lane * 4;
-  float4 acc[kFloat4s];
+  const int col0 = blockIdx.z * 128 * kGroups + lane * 4;
+  float4 acc[kGroups];
 #pragma unroll
-  for (int k = 0; k < kFloat4s; ++k) acc[k] = make_float4(0.f, 0.f, 0.f, 0.f);
+  for (int k = 0; k < kGroups; ++k) acc[k] = make_float4(0.f, 0.f, 0.f, 0.f);
   if (!nan && lse != -INFINITY) {
     const int64_t split_stride = static_cast<int64_t>(rows) * kDv;
     const OutT* src = ws.partials<OutT>() + (static_cast<int64_t>(first) * rows + row) * kDv + col0;
@@ -245,13 +245,13 @@ __global__ void __launch_bounds__(kRowWarps * 32) combine_rows_kernel(PagedDecod
       // kUnroll splits' loads are issued before any of them is added (the
       // guards are warp-uniform, so the shuffles stay convergent).
       for (int j0 = 0; j0 < n; j0 += kUnroll) {
-        uint2 v[kUnroll][kFloat4s];
+        uint2 v[kUnroll][kGroups];
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u) {
           if (j0 + u < n) {
             const OutT* s = src + (c0 + j0 + u) * split_stride;
 #pragma unroll
-            for (int k = 0; k < kFloat4s; ++k) v[u][k] = load_raw4(s + k * 128);
+            for (int k = 0; k < kGroups; ++k) v[u][k] = load_raw4(s + k * 128);
           }
         }
 #pragma unroll
@@ -259,7 +259,7 @@ __global__ void __launch_bounds__(kRowWarps * 32) combine_rows_kernel(PagedDecod
           if (j0 + u < n) {
             const float w = __shfl_sync(kAll, w_lane, j0 + u);
 #pragma unroll
-            for (int k = 0; k < kFloat4s; ++k) add_weighted(acc[k], w, to_float4<OutT>(v[u][k]));
+            for (int k = 0; k < kGroups; ++k) add_weighted(acc[k], w, to_float4<OutT>(v[u][k]));
           }
         }
       }
@@ -272,7 +272,7 @@ __global__ void __launch_bounds__(kRowWarps * 32) combine_rows_kernel(PagedDecod
   const int64_t out_row = static_cast<int64_t>(b) * rows + row;
   OutT* dst = static_cast<OutT*>(p.out) + out_row * kDv + col0;
 #pragma unroll
-  for (int k = 0; k < kFloat4s; ++k)
+  for (int k = 0; k < kGroups; ++k)
     store4(dst + k * 128, make_float4(acc[k].x * scale, acc[k].y * scale, acc[k].z * scale, acc[k].w * scale));
   if (lane == 0 && blockIdx.z == 0) p.lse[out_row] = lse;
 }
@@ -296,12 +296,12 @@ cudaError_t run_combine(const PagedDecodeParams& params, const DecodeWorkspace& 
     }
     case CombineGrid::kSlices: {
       auto kernel = bf16 ? combine_rows_kernel<__nv_bfloat16, 1> : combine_rows_kernel<__half, 1>;
-      return launch_kernel(kernel, dim3(params.batch, row_ctas, kRowFloat4s), dim3(kRowWarps * 32), 0, stream,
+      return launch_kernel(kernel, dim3(params.batch, row_ctas, kRowGroups), dim3(kRowWarps * 32), 0, stream,
                            programmatic, params, ws);
     }
     case CombineGrid::kRows:
     default: {
-      auto kernel = bf16 ? combine_rows_kernel<__nv_bfloat16, kRowFloat4s> : combine_rows_kernel<__half, kRowFloat4s>;
+      auto kernel = bf16 ? combine_rows_kernel<__nv_bfloat16, kRowGroups> : combine_rows_kernel<__half, kRowGroups>;
       return launch_kernel(kernel, dim3(params.batch, row_ctas, 1), dim3(kRowWarps * 32), 0, stream, programmatic,
                            params, ws);
     }
