@@ -68,30 +68,38 @@ class KernelChoice:
       "slices".
     programmatic_combine: launch the combine with programmatic dependent
       launch (sm_90+): None (auto), True or False.
+    fused_combine: the "sm90_seesaw" kernel with schedule "inline" merges
+      the splits itself after a grid-wide barrier (a cooperative launch)
+      instead of a combine kernel after it, adding them in the order of
+      ``combine_grid``'s kernel (the same bits): None (auto: on wherever it
+      applies), True or False.
   """
 
   kernel: str = "auto"
   schedule: str = "auto"
   combine_grid: str = "auto"
   programmatic_combine: bool | None = None
+  fused_combine: bool | None = None
 
   def __post_init__(self):
     for name, allowed in (("kernel", KERNELS), ("schedule", SCHEDULES), ("combine_grid", COMBINE_GRIDS)):
       if getattr(self, name) not in allowed:
         raise ValueError(f"KernelChoice.{name} must be one of {allowed}, got {getattr(self, name)!r}")
-    if not (self.programmatic_combine is None or isinstance(self.programmatic_combine, bool)):
-      raise TypeError("KernelChoice.programmatic_combine must be None, True or False, got "
-                      f"{self.programmatic_combine!r}")
+    for name in ("programmatic_combine", "fused_combine"):
+      if not (getattr(self, name) is None or isinstance(getattr(self, name), bool)):
+        raise TypeError(f"KernelChoice.{name} must be None, True or False, got {getattr(self, name)!r}")
 
   def attr(self) -> str:
     """The attribute text (``format_config`` in csrc/dispatch/select.cc)."""
-    pdl = {None: "auto", True: "on", False: "off"}[self.programmatic_combine]
-    return f"{self.kernel},{self.schedule},{self.combine_grid},{pdl}"
+    switch = {None: "auto", True: "on", False: "off"}
+    return (f"{self.kernel},{self.schedule},{self.combine_grid},{switch[self.programmatic_combine]},"
+            f"{switch[self.fused_combine]}")
 
   @classmethod
   def from_attr(cls, text: str) -> "KernelChoice":
-    kernel, schedule, grid, pdl = text.split(",")
-    return cls(kernel, schedule, grid, {"auto": None, "on": True, "off": False}[pdl])
+    kernel, schedule, grid, pdl, fused = text.split(",")
+    switch = {"auto": None, "on": True, "off": False}
+    return cls(kernel, schedule, grid, switch[pdl], switch[fused])
 
 
 def as_kernel_choice(value, owner: str) -> KernelChoice:

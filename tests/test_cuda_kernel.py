@@ -335,21 +335,30 @@ def test_combine_grids(heads, q_len, dtype):
   # (NaN), an empty request (-inf LSE), a zero-length neighbour, long and
   # short requests. The two warp grids add the splits in the same order, so
   # they agree bit for bit; the partials they read are in the output's dtype
-  # (both 16-bit dtypes are run).
+  # (both 16-bit dtypes are run). On sm_90 these 8 requests run the seesaw
+  # kernel with the inline schedule, which combines itself after a grid
+  # barrier in each grid's order (KernelChoice.fused_combine): the same bits
+  # as that grid's combine kernel.
   rng = np.random.default_rng(37 + heads)
   lens = [9000, 5, 0, 12000, 700, 3000, 20000, 64]
   d = random_paged_inputs(rng, lens, num_heads=heads, page_size=64, q_len=q_len)
   d["block_table"][3, 100] = d["kv_cache"].shape[0] + 4   # out of range, live, in a split request
   plan = mla_jax.DecodePlan(num_heads=heads, page_size=64, sm_scale=SM_SCALE, q_len=q_len,
                             causal=q_len > 1, backend="cuda")
+  fusable = _hopper_kernels_available()
   results = {}
   for grid in ("block", "rows", "slices"):
-    results[grid] = _run(d, dataclasses.replace(plan, kernel=KernelChoice(combine_grid=grid)), dtype)
-    _check(*results[grid])
-  ref_lse = results["rows"][3]  # the inputs reach the NaN and -inf paths (checked by _check above)
+    for fused in (False, True) if fusable else (False,):
+      choice = KernelChoice(combine_grid=grid, fused_combine=fused)
+      results[grid, fused] = _run(d, dataclasses.replace(plan, kernel=choice), dtype)
+      _check(*results[grid, fused])
+    if fusable:
+      for i in (0, 1):
+        np.testing.assert_array_equal(results[grid, True][i], results[grid, False][i], err_msg=f"fused {grid}")
+  ref_lse = results["rows", False][3]  # the inputs reach the NaN and -inf paths (checked by _check above)
   assert np.isnan(ref_lse[3]).all() and np.isneginf(ref_lse[2]).all()
-  np.testing.assert_array_equal(results["rows"][0], results["slices"][0])
-  np.testing.assert_array_equal(results["rows"][1], results["slices"][1])
+  np.testing.assert_array_equal(results["rows", False][0], results["slices", False][0])
+  np.testing.assert_array_equal(results["rows", False][1], results["slices", False][1])
 
 
 @pytest.mark.parametrize("base", [KernelChoice(), KernelChoice(schedule="kernel"), KernelChoice(kernel="portable")])

@@ -40,16 +40,18 @@ def _explain_paged(batch, heads, page_size, q_len=1, kernel="auto", device=H200,
 @pytest.mark.parametrize("batch,heads,page_size,q_len,want", [
     # schedule "step" (paged decode's own schedule call) above 32 requests;
     # combine grid: "block" below 2048 (request, row) pairs with >= 32 partitions
-    # per request (132 SMs / 64-row blocks), else "slices" below 1024 pairs, else "rows"
-    (4, 128, 64, 1, KernelChoice("sm90_seesaw", "inline", "slices", False)),
-    (64, 16, 64, 1, KernelChoice("sm90_seesaw", "step", "rows", True)),
-    (128, 128, 64, 2, KernelChoice("sm90_seesaw", "step", "rows", True)),
-    (1, 16, 256, 1, KernelChoice("sm90_seesaw", "inline", "block", False)),
-    (4, 128, 16, 1, KernelChoice("sm90_lockstep", "kernel", "slices", False)),
-    (4, 16, 2, 4, KernelChoice("sm90_lockstep", "kernel", "block", False)),   # 64 rows: q_len x heads
-    (4, 16, 16, 1, KernelChoice("portable", "kernel", "block", False)),
-    (4, 32, 32, 1, KernelChoice("portable", "kernel", "block", False)),
-    (40, 32, 32, 1, KernelChoice("portable", "step", "rows", False)),
+    # per request (132 SMs / 64-row blocks), else "slices" below 1024 pairs, else "rows";
+    # the combine fused into the seesaw kernel with the inline schedule where one round of the
+    # grid's CTAs (block order) or warps covers the (request, row, 128-column slice) tasks
+    (4, 128, 64, 1, KernelChoice("sm90_seesaw", "inline", "slices", False, False)),
+    (64, 16, 64, 1, KernelChoice("sm90_seesaw", "step", "rows", True, False)),
+    (128, 128, 64, 2, KernelChoice("sm90_seesaw", "step", "rows", True, False)),
+    (1, 16, 256, 1, KernelChoice("sm90_seesaw", "inline", "block", False, True)),
+    (4, 128, 16, 1, KernelChoice("sm90_lockstep", "kernel", "slices", False, False)),
+    (4, 16, 2, 4, KernelChoice("sm90_lockstep", "kernel", "block", False, False)),   # 64 rows: q_len x heads
+    (4, 16, 16, 1, KernelChoice("portable", "kernel", "block", False, False)),
+    (4, 32, 32, 1, KernelChoice("portable", "kernel", "block", False, False)),
+    (40, 32, 32, 1, KernelChoice("portable", "step", "rows", False, False)),
 ])
 def test_hopper_capability_table(batch, heads, page_size, q_len, want):
   got = _explain_paged(batch, heads, page_size, q_len)
@@ -110,7 +112,7 @@ def test_swapab_serves_fp8_caches_with_few_rows_only():
   got = mla_jax.explain(plan, *_paged(4, 8, 64, q_len=2, kv_dtype=jnp.float8_e4m3fn),
                         kv_scale=jax.ShapeDtypeStruct((), jnp.float32), device=H200)
   # Four requests: one warp of every CTA schedules them (no scheduler kernel).
-  assert got.kernel == KernelChoice("sm90_swapab", "inline", "block", False), str(got)
+  assert got.kernel == KernelChoice("sm90_swapab", "inline", "block", False, False), str(got)
   for heads, q_len, kv_dtype in ((16, 2, jnp.float8_e4m3fn), (32, 1, jnp.float8_e4m3fn)):
     ok = dataclasses.replace(plan, num_heads=heads, q_len=q_len)
     got = mla_jax.explain(ok, *_paged(4, heads, 64, q_len=q_len, kv_dtype=kv_dtype),
@@ -195,16 +197,47 @@ def test_sparse_facts_without_topk_are_rejected():
 
 
 def test_forced_fields_are_kept_and_explained():
-  choice = KernelChoice(kernel="portable", schedule="kernel", combine_grid="slices", programmatic_combine=True)
+  choice = KernelChoice(kernel="portable", schedule="kernel", combine_grid="slices", programmatic_combine=True,
+                        fused_combine=False)
   got = _explain_paged(4, 128, 64, kernel=choice)
   assert got.kernel == choice
-  assert sum("requested by the plan" in line for line in got.reasons[1:]) == 4, str(got)
+  assert sum("requested by the plan" in line for line in got.reasons[1:]) == 5, str(got)
+
+
+@needs_sm90a
+def test_fused_combine_where_the_seesaw_kernel_schedules_inline():
+  # Up to 32 requests the seesaw kernel schedules inline and can merge the
+  # splits itself (a cooperative launch); auto does where one round of the
+  # grid's 132 CTAs (block grid's order) or 1,056 warps (warp grids') covers
+  # the batch x rows x 4 tasks. Never above 32 requests, after another
+  # schedule, or where the plan asks for a programmatic combine launch.
+  for batch, heads, grid, want in ((1, 16, "block", True),      # 64 tasks, 132 CTAs
+                                   (1, 128, "block", False),    # 512 tasks
+                                   (8, 12, "slices", True),     # 384 tasks, 1,056 warps
+                                   (2, 128, "block", False),    # 1,024 tasks
+                                   (8, 32, "slices", True),     # 1,024 tasks
+                                   (4, 128, "slices", False),   # 2,048 tasks
+                                   (32, 16, "slices", False),   # 2,048 tasks
+                                   (33, 16, "slices", False)):  # schedule "step"
+    got = _explain_paged(batch, heads, 64)
+    assert (got.kernel.schedule, got.kernel.combine_grid, got.kernel.fused_combine) == (
+        "inline" if batch <= 32 else "step", grid, want), str(got)
+    assert any(line.startswith("fused combine: " + ("on" if want else "off")) for line in got.reasons), str(got)
+  assert _explain_paged(4, 128, 64, kernel=KernelChoice(fused_combine=True)).kernel.fused_combine is True
+  for choice in (KernelChoice(schedule="kernel"), KernelChoice(programmatic_combine=True),
+                 KernelChoice(kernel="sm90_lockstep")):
+    got = _explain_paged(1, 16, 64, kernel=choice)
+    assert got.kernel.fused_combine is False, str(got)
+  assert _explain_paged(1, 16, 64, kernel=KernelChoice(fused_combine=False)).kernel.programmatic_combine is False
 
 
 @pytest.mark.parametrize("kernel,page_size,batch,match", [
     ("sm90_seesaw", 16, 4, "TMA"),
     (KernelChoice(kernel="portable", schedule="inline"), 64, 4, "seesaw"),
     (KernelChoice(schedule="inline"), 64, 40, "at most 32 requests"),
+    (KernelChoice(schedule="kernel", fused_combine=True), 64, 4, "fused combine is the sm90_seesaw kernel's"),
+    (KernelChoice(kernel="sm90_lockstep", fused_combine=True), 64, 4, "fused combine is the sm90_seesaw kernel's"),
+    (KernelChoice(fused_combine=True, programmatic_combine=True), 64, 4, "exclude each other"),
 ])
 def test_forced_choice_that_cannot_serve_the_call_is_a_trace_time_error(kernel, page_size, batch, match):
   heads = 128
@@ -279,11 +312,11 @@ def test_symbolic_batch_leaves_batch_dependent_fields_open():
   args = (jax.ShapeDtypeStruct((b, 128, 576), jnp.bfloat16), jax.ShapeDtypeStruct((50, 64, 576), jnp.bfloat16),
           jax.ShapeDtypeStruct((b, 8), jnp.int32), jax.ShapeDtypeStruct((b,), jnp.int32))
   got = mla_jax.explain(plan, *args, device=H200)
-  assert got.kernel == KernelChoice(kernel="sm90_seesaw", schedule="step"), str(got)
+  assert got.kernel == KernelChoice(kernel="sm90_seesaw", schedule="step", fused_combine=False), str(got)
 
 
 @pytest.mark.parametrize("bad", [dict(kernel="sm90"), dict(schedule="warp"), dict(combine_grid="slice"),
-                                 dict(programmatic_combine=1)])
+                                 dict(programmatic_combine=1), dict(fused_combine="on")])
 def test_kernel_choice_validates_its_fields(bad):
   with pytest.raises((ValueError, TypeError)):
     KernelChoice(**bad)
@@ -319,8 +352,8 @@ def test_choice_travels_as_attributes_in_the_lowered_program():
   plan = mla_jax.DecodePlan(num_heads=16, page_size=64, sm_scale=SM_SCALE, backend="cuda", kernel=choice)
   f = jax.jit(lambda q, kv, bt, sl: mla_jax.paged_decode(q, kv, bt, sl, plan=plan))
   text = f.trace(*_paged(4, 16, 64)).lower(lowering_platforms=("cuda",)).as_text()
-  assert 'kernel_config = "portable,kernel,rows,off"' in text, text[-2000:]
-  assert 'kernel_request = "portable,kernel,rows,off"' in text
+  assert 'kernel_config = "portable,kernel,rows,off,off"' in text, text[-2000:]
+  assert 'kernel_request = "portable,kernel,rows,off,auto"' in text
   assert "workspace_parts" in text
 
 

@@ -14,7 +14,7 @@
 //                         [--reps N] [--json PATH]
 //
 // --request: the plan's kernel configuration ("kernel,schedule,combine,
-// programmatic" as mla_jax.KernelChoice names them; default all auto),
+// programmatic,fused" as mla_jax.KernelChoice names them; default all auto),
 // resolved by select_kernel as a trace would; --splits: max_num_splits
 // (default 0, the scheduler's choice). The calls carry a schedule operand
 // as mla_jax.paged_decode's do, so above 32 requests auto picks schedule

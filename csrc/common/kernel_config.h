@@ -49,16 +49,21 @@ struct KernelConfig {
   ScheduleMode schedule = ScheduleMode::kAuto;
   CombineGrid combine_grid = CombineGrid::kAuto;
   Switch programmatic_combine = Switch::kAuto;  // combine launched with programmatic dependent launch
+  // The seesaw kernel with the inline schedule merges the splits itself
+  // after a grid-wide barrier (a cooperative launch), in the order of
+  // combine_grid's kernel, instead of launching the combine kernel.
+  Switch fused_combine = Switch::kAuto;
 
   bool resolved() const {
     return kernel != KernelFamily::kAuto && schedule != ScheduleMode::kAuto &&
-           combine_grid != CombineGrid::kAuto && programmatic_combine != Switch::kAuto;
+           combine_grid != CombineGrid::kAuto && programmatic_combine != Switch::kAuto &&
+           fused_combine != Switch::kAuto;
   }
 };
 
 inline bool operator==(const KernelConfig& a, const KernelConfig& b) {
   return a.kernel == b.kernel && a.schedule == b.schedule && a.combine_grid == b.combine_grid &&
-         a.programmatic_combine == b.programmatic_combine;
+         a.programmatic_combine == b.programmatic_combine && a.fused_combine == b.fused_combine;
 }
 
 }  // namespace mla_jax

@@ -186,6 +186,13 @@ struct SplitSchedule {
   // the same lengths and partitions (run_decode_schedule); no scheduler is
   // launched and the decode reads them as the scheduler kernel's.
   bool schedule_given = false;
+  // true (KernelConfig::fused_combine, with inline_schedule): the seesaw
+  // kernel, launched cooperatively, merges the split requests' partials
+  // itself after a grid-wide barrier; no combine kernel follows.
+  // combine_block_order: in the order of the combine's block grid
+  // (CombineGrid::kBlock), else in that of its warp grids.
+  bool fused_combine = false;
+  bool combine_block_order = false;
 };
 
 }  // namespace mla_jax

@@ -54,6 +54,11 @@ cudaError_t run_paged_decode(const PagedDecodeParams& params, const DecodeWorksp
   schedule.inline_schedule = config.schedule == ScheduleMode::kInline;
   schedule.schedule_in_decode = config.schedule == ScheduleMode::kBlock;
   schedule.schedule_given = config.schedule == ScheduleMode::kStep;
+  schedule.fused_combine = config.fused_combine == Switch::kOn;
+  schedule.combine_block_order = config.combine_grid == CombineGrid::kBlock;
+  // Only the seesaw kernel with the inline schedule combines itself (select_kernel refuses the rest).
+  if (schedule.fused_combine && !(config.kernel == KernelFamily::kSm90Seesaw && schedule.inline_schedule))
+    return cudaErrorInvalidValue;
   cudaError_t err = cudaSuccess;
   switch (config.kernel) {
     case KernelFamily::kSm90Seesaw:
@@ -90,7 +95,16 @@ cudaError_t run_paged_decode(const PagedDecodeParams& params, const DecodeWorksp
     default:
       err = cudaErrorInvalidValue;  // an unresolved configuration
   }
-  if (err != cudaSuccess) return err;
+  if (err == cudaErrorCooperativeLaunchTooLarge && schedule.fused_combine) {
+    // The fused combine's grid-wide barrier needs every CTA resident at once;
+    // where fewer SMs are at hand than the device reports (the launch said
+    // so and ran nothing), decode again and combine with the combine kernel
+    // in the same order: the same bits.
+    KernelConfig unfused = config;
+    unfused.fused_combine = Switch::kOff;
+    return run_paged_decode(params, ws, unfused, num_parts, max_num_splits, stream);
+  }
+  if (err != cudaSuccess || schedule.fused_combine) return err;
   return smxx::run_combine(params, ws, config.combine_grid, config.programmatic_combine == Switch::kOn, stream);
 }
 

@@ -13,6 +13,10 @@ namespace {
 constexpr int64_t kCombineBlockBelowPairs = 2048;  // block grid: fewer pairs than this ...
 constexpr int64_t kCombineBlockMinSplits = 32;     // ... and at least this many partitions per request
 constexpr int64_t kCombineSliceBelowPairs = 1024;  // a warp per slice below this many pairs
+// The fused combine's units of work (csrc/sm90/decode_seesaw.cuh): warps of a
+// seesaw CTA, and 128-column slices of a 512-column row.
+constexpr int64_t kFusedCombineWarps = 8;
+constexpr int64_t kFusedCombineSlices = 4;
 
 const char* family_name(KernelFamily k) {
   switch (k) {
@@ -97,19 +101,20 @@ DecodeFacts call_facts(DecodeOp op, const PagedDecodeParams& p, int arch, int sm
 
 std::string format_config(const KernelConfig& c) {
   return std::string(family_name(c.kernel)) + "," + schedule_name(c.schedule) + "," + grid_name(c.combine_grid) +
-         "," + switch_name(c.programmatic_combine);
+         "," + switch_name(c.programmatic_combine) + "," + switch_name(c.fused_combine);
 }
 
 bool parse_config(std::string_view text, KernelConfig* c, std::string* why) {
-  std::string_view fields[4];
+  constexpr int kFields = 5;
+  std::string_view fields[kFields];
   size_t start = 0;
-  for (int i = 0; i < 4; ++i) {
+  for (int i = 0; i < kFields; ++i) {
     const size_t comma = text.find(',', start);
-    if ((comma == std::string_view::npos) != (i == 3)) {
-      *why = "expected 4 comma-separated fields, got '" + std::string(text) + "'";
+    if ((comma == std::string_view::npos) != (i == kFields - 1)) {
+      *why = "expected " + std::to_string(kFields) + " comma-separated fields, got '" + std::string(text) + "'";
       return false;
     }
-    fields[i] = text.substr(start, i == 3 ? std::string_view::npos : comma - start);
+    fields[i] = text.substr(start, i == kFields - 1 ? std::string_view::npos : comma - start);
     start = comma + 1;
   }
   static constexpr KernelFamily kFamilies[] = {KernelFamily::kAuto, KernelFamily::kPortable,
@@ -125,7 +130,8 @@ bool parse_config(std::string_view text, KernelConfig* c, std::string* why) {
                     : !parse_name(fields[2], grid_name, kGrids, &c->combine_grid)     ? "combine_grid"
                     : !parse_name(fields[3], switch_name, kSwitches, &c->programmatic_combine)
                         ? "programmatic_combine"
-                        : nullptr;
+                    : !parse_name(fields[4], switch_name, kSwitches, &c->fused_combine) ? "fused_combine"
+                                                                                        : nullptr;
   if (bad != nullptr) {
     *why = std::string("unknown ") + bad + " in '" + std::string(text) + "'";
     return false;
@@ -353,11 +359,59 @@ Selection select_kernel(const DecodeFacts& f, const KernelConfig& requested, std
     note([&] { return std::string(std::string("combine grid: ") + grid_name(c.combine_grid) + " (requested by the plan)"); });
   }
 
-  // 4. Programmatic launch of the combine: worth it after the seesaw kernel
+  // 4. The combine fused into the decode kernel: the seesaw kernel with the
+  //    inline schedule (one CTA per SM, persistent) can wait for the whole
+  //    grid and merge the splits itself, which saves the combine kernel's
+  //    launch and the gap before it. But the grid holds one CTA per SM, 8
+  //    warps each, where the combine kernel's grid fills every SM; each
+  //    (request, row, 128-column slice) task is a chain of dependent loads,
+  //    so a grid that must take its tasks in more than one round measured
+  //    slower than the combine kernel (docs/perf.md). Auto fuses where one
+  //    round covers them: a task a CTA (block grid's order) or a warp. A
+  //    plan that asks for a programmatic combine launch gets the combine
+  //    kernel.
+  const bool fusable = seesaw && c.schedule == ScheduleMode::kInline;
+  if (c.fused_combine == Switch::kAuto) {
+    if (c.programmatic_combine == Switch::kOn) {
+      c.fused_combine = Switch::kOff;
+      note([&] { return std::string("fused combine: off (the plan asks for a programmatic combine launch)"); });
+    } else if (c.kernel == KernelFamily::kAuto || (seesaw && c.schedule == ScheduleMode::kAuto) ||
+               (fusable && (c.combine_grid == CombineGrid::kAuto || f.sm_count <= 0))) {
+      note([&] { return std::string("fused combine: auto, chosen on the device"); });
+    } else if (!fusable) {
+      c.fused_combine = Switch::kOff;
+      note([&] { return std::string("fused combine: off (sm90_seesaw with the inline schedule only)"); });
+    } else {
+      const int64_t ctas = (rows + 63) / 64 * num_partitions(f.sm_count, rows, f.workspace_parts);
+      const bool block_order = c.combine_grid == CombineGrid::kBlock;
+      const int64_t units = block_order ? ctas : ctas * kFusedCombineWarps;
+      const int64_t tasks = requests * rows * kFusedCombineSlices;
+      const bool on = tasks <= units;
+      c.fused_combine = on ? Switch::kOn : Switch::kOff;
+      note([&] { return std::string("fused combine: ") + (on ? "on" : "off") + " (" + std::to_string(tasks) +
+                        " (request, row, slice) tasks " + (on ? "within " : "over ") + "one round of " +
+                        std::to_string(units) + (block_order ? " CTAs" : " warps") +
+                        (on ? ": the decode kernel merges the splits after a grid-wide barrier, in the combine grid's order)"
+                            : ": the combine kernel)"); });
+    }
+  } else {
+    const bool resolved = c.kernel != KernelFamily::kAuto && c.schedule != ScheduleMode::kAuto;
+    if (c.fused_combine == Switch::kOn && resolved && !fusable)
+      return fail(std::string("fused combine is the sm90_seesaw kernel's with schedule 'inline'; this call runs '") +
+                  family_name(c.kernel) + "' with schedule '" + schedule_name(c.schedule) + "'");
+    note([&] { return std::string(std::string("fused combine: ") + (c.fused_combine == Switch::kOn ? "on" : "off") +
+         " (requested by the plan)"); });
+  }
+
+  // 5. Programmatic launch of the combine: worth it after the seesaw kernel
   //    when its CTAs run several items each (more requests than the inline
   //    schedule takes), so the combine's launch hides behind the last ones.
+  //    A fused combine launches no combine kernel.
   if (c.programmatic_combine == Switch::kAuto) {
-    if (c.kernel == KernelFamily::kAuto || (seesaw && requests < 0)) {
+    if (c.fused_combine == Switch::kOn) {
+      c.programmatic_combine = Switch::kOff;
+      note([&] { return std::string("programmatic combine: off (no combine kernel: the combine is fused)"); });
+    } else if (c.kernel == KernelFamily::kAuto || (seesaw && requests < 0) || c.fused_combine == Switch::kAuto) {
       note([&] { return std::string("programmatic combine: auto, chosen on the device"); });
     } else {
       const bool on = seesaw && requests > kInlineScheduleMaxRequests;
@@ -367,6 +421,8 @@ Selection select_kernel(const DecodeFacts& f, const KernelConfig& requested, std
   } else {
     if (c.programmatic_combine == Switch::kOn && arch_known && f.arch < 90)
       return fail("programmatic combine needs sm_90 or later, this device is " + arch_str(f.arch));
+    if (c.programmatic_combine == Switch::kOn && c.fused_combine == Switch::kOn)
+      return fail("programmatic combine and fused combine exclude each other: a fused combine launches no combine kernel");
     note([&] { return std::string(std::string("programmatic combine: ") + (c.programmatic_combine == Switch::kOn ? "on" : "off") +
          " (requested by the plan)"); });
   }

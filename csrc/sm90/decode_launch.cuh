@@ -41,6 +41,8 @@ cudaError_t launch_decode(const PagedDecodeParams& p, const DecodeWorkspace& ws,
   SplitSchedule s = schedule;
   s.inline_schedule = seesaw && schedule.inline_schedule;
   s.schedule_in_decode = seesaw && schedule.schedule_in_decode;
+  s.fused_combine = seesaw && s.inline_schedule && schedule.fused_combine;
+  if (schedule.fused_combine && !s.fused_combine) return cudaErrorInvalidValue;  // no combine would run
   // The block schedule keeps each row block's items in its own region.
   if (s.schedule_in_decode && ws.item_regions < static_cast<int>(grid.x)) return cudaErrorInvalidValue;
   // The block schedule is its own instantiation of the seesaw kernel, so the
@@ -49,6 +51,7 @@ cudaError_t launch_decode(const PagedDecodeParams& p, const DecodeWorkspace& ws,
   if constexpr (kSeesaw) {
     if (seesaw)
       kernel = s.schedule_in_decode ? reinterpret_cast<const void*>(decode_seesaw_kernel<Tr, true>)
+               : s.fused_combine    ? reinterpret_cast<const void*>(decode_seesaw_kernel<Tr, false, true>)
                                     : reinterpret_cast<const void*>(decode_seesaw_kernel<Tr, false>);
   }
   cudaError_t err = smxx::set_max_dynamic_smem_once(kernel, Tr::kSmemAlloc);
@@ -68,6 +71,26 @@ cudaError_t launch_decode(const PagedDecodeParams& p, const DecodeWorkspace& ws,
   // (a forced schedule): an earlier chain through it measured slower
   // (docs/perf.md, What was tried).
   if constexpr (kSeesaw) {
+    if (s.fused_combine) {
+      // Cooperative: every CTA resident at once, for the grid barrier before
+      // the combine. The inline schedule's grid has at most one CTA per SM;
+      // a device with fewer SMs at hand refuses the launch
+      // (cudaErrorCooperativeLaunchTooLarge, nothing run), and the caller
+      // falls back on the combine kernel.
+      cudaLaunchAttribute attr[1];
+      attr[0].id = cudaLaunchAttributeCooperative;
+      attr[0].val.cooperative = 1;
+      cudaLaunchConfig_t config = {};
+      config.gridDim = grid;
+      config.blockDim = dim3(Tr::kThreads);
+      config.dynamicSmemBytes = Tr::kSmemAlloc;
+      config.stream = stream;
+      config.attrs = attr;
+      config.numAttrs = 1;
+      const cudaError_t launch = cudaLaunchKernelEx(&config, decode_seesaw_kernel<Tr, false, true>, p, ws, s, tma);
+      const cudaError_t last = cudaGetLastError();
+      return launch != cudaSuccess ? launch : last;
+    }
     if (s.schedule_in_decode) {
       decode_seesaw_kernel<Tr, true><<<grid, Tr::kThreads, Tr::kSmemAlloc, stream>>>(p, ws, s, tma);
     } else {

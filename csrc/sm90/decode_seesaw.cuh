@@ -59,6 +59,9 @@
 // and masked out of the softmax by the rows looked up (tile_mask).
 #pragma once
 
+#include <cooperative_groups.h>
+
+#include "csrc/smxx/combine_tasks.cuh"
 #include "csrc/smxx/phase_probe.cuh"
 #include "csrc/smxx/schedule_block.cuh"
 #include "csrc/sm90/decode_kernel.cuh"
@@ -70,8 +73,12 @@ namespace sm90 {
 // kBlockSchedule: the CTA computes the block-level schedule itself
 // (SplitSchedule::schedule_in_decode). A separate instantiation, so the
 // kernel of the other modes carries none of that code (inlined behind a
-// run-time flag, it slowed every shape's kernel).
-template <typename Tr, bool kBlockSchedule>
+// run-time flag, it slowed every shape's kernel). kFusedCombine
+// (SplitSchedule::fused_combine, with the inline schedule): launched
+// cooperatively, the kernel waits for its whole grid after its items and
+// merges the split requests itself, as the combine kernel of the call's
+// grid would (csrc/smxx/combine_tasks.cuh); also its own instantiation.
+template <typename Tr, bool kBlockSchedule, bool kFusedCombine = false>
 __global__ void __launch_bounds__(Tr::kThreads, 1)
     decode_seesaw_kernel(const PagedDecodeParams p, const DecodeWorkspace ws, const SplitSchedule schedule,
                          const __grid_constant__ KvTma tma) {
@@ -697,6 +704,33 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     if (i == item_begin) MLA_JAX_PHASE(5);
     write_item_output<Tr, T>(p, ws, it, item, m0, l_own, m_run, kv_scale, s_bad_page, sRed, sKv_shared, tOrO);
     if (i == item_begin) MLA_JAX_PHASE(6);
+  }
+
+  if constexpr (kFusedCombine) {
+    static_assert(!kBlockSchedule && Tr::kThreads == smxx::kCombineThreads, "a block task takes the whole CTA");
+    static_assert(sizeof(smxx::CombineBlockSmem) <= Tr::kTileBytes, "a block task's shared memory fits a KV stage");
+    // Every CTA's partials, their LSEs and CTA (0, 0)'s request_meta are
+    // written: the grid barrier orders them before the reads below (it
+    // fences at device scope). No load is in flight into the KV stages at
+    // an item's end (the output staging needs them), so they are free.
+    cooperative_groups::this_grid().sync();
+    const int rows = p.rows_per_request();
+    const int cta = blockIdx.y * gridDim.x + blockIdx.x, ctas = gridDim.x * gridDim.y;
+    const int tasks = p.batch * rows * smxx::kCombineSlices;  // (request, row, 128-column slice)
+    if (schedule.combine_block_order) {
+      auto& scratch = *reinterpret_cast<smxx::CombineBlockSmem*>(sKv_shared);
+      for (int t = cta; t < tasks; t += ctas) {
+        __syncthreads();  // the previous task is done with the scratch
+        const int z = t % smxx::kCombineSlices, rq = t / smxx::kCombineSlices;
+        smxx::combine_block_task<T>(p, ws, rq / rows, rq % rows, z, smxx::kCombineSliceColumns, scratch);
+      }
+    } else {
+      constexpr int kWarps = Tr::kThreads / 32;
+      for (int t = cta * kWarps + tid / 32; t < tasks; t += ctas * kWarps) {
+        const int z = t % smxx::kCombineSlices, rq = t / smxx::kCombineSlices;
+        smxx::combine_warp_task<T, 1>(p, ws, rq / rows, rq % rows, z);
+      }
+    }
   }
 #endif  // sm_90a
 }

@@ -119,7 +119,7 @@ struct Case {
   bool causal = true;    // paged
   bool many = false;     // paged: many short requests
   int max_num_splits = 0;
-  std::string request;   // kernel configuration asked for ("kernel,schedule,combine,programmatic")
+  std::string request;   // kernel configuration asked for ("kernel,schedule,combine,programmatic,fused")
 };
 
 std::string describe(const Case& c) {
@@ -195,7 +195,8 @@ Case draw_case(std::mt19937_64& rng, const std::string& kernel) {
   const std::string schedule = pick<const char*>(rng, {"auto", "auto", "kernel", "inline", "block", "step"});
   const std::string combine = pick<const char*>(rng, {"auto", "auto", "block", "rows", "slices"});
   const std::string programmatic = pick<const char*>(rng, {"auto", "off", "on"});
-  c.request = kernel + "," + schedule + "," + combine + "," + programmatic;
+  const std::string fused = pick<const char*>(rng, {"auto", "auto", "off", "on"});
+  c.request = kernel + "," + schedule + "," + combine + "," + programmatic + "," + fused;
   return c;
 }
 
