@@ -89,7 +89,8 @@ def _child(out_path, choice=""):
   """Runs both loops under the XLA_FLAGS of this process; saves the results.
 
   choice: "on" or "off" forces the combine's launch
-  (KernelChoice.programmatic_combine); a kernel name ("portable",
+  (KernelChoice.programmatic_combine); "fused" the combine fused into the
+  seesaw kernel (KernelChoice.fused_combine, a cooperative launch); a kernel name ("portable",
   "sm90_lockstep") forces that decode kernel after the scheduler kernel
   (schedule "kernel"); empty: the plan's default (schedule "step": the
   schedule call, then the decode)."""
@@ -101,6 +102,8 @@ def _child(out_path, choice=""):
 
   if choice in ("on", "off"):
     kernel = mla_jax.KernelChoice(programmatic_combine=choice == "on")
+  elif choice == "fused":
+    kernel = mla_jax.KernelChoice(fused_combine=True)
   elif choice:
     kernel = mla_jax.KernelChoice(kernel=choice, schedule="kernel")
   else:
@@ -290,6 +293,23 @@ def test_decode_loop_in_command_buffers_with_programmatic_combine(reference, tmp
   (tmp_path / "pdl").mkdir()
   _, plain = _run_mode("on", tmp_path / "plain", "off")
   info, res = _run_mode("on", tmp_path / "pdl", "on")
+  _check_run("on", info, res, reference)
+  for key in plain:
+    np.testing.assert_array_equal(res[key], plain[key], err_msg=key)
+
+
+@pytest.mark.gpu
+def test_decode_loop_in_command_buffers_with_fused_combine(reference, tmp_path):
+  # The combine fused into the seesaw kernel (a cooperative launch with a
+  # grid barrier; auto leaves it off at this shape): captured into the CUDA
+  # graph, its results must be those of the combine kernel, bit for bit.
+  from test_cuda_kernel import _hopper_kernels_available
+  if not _hopper_kernels_available():
+    pytest.skip("the fused combine is the sm90_seesaw kernel's: an sm_90 GPU and a build with sm_90a code")
+  (tmp_path / "plain").mkdir()
+  (tmp_path / "fused").mkdir()
+  _, plain = _run_mode("on", tmp_path / "plain", "off")
+  info, res = _run_mode("on", tmp_path / "fused", "fused")
   _check_run("on", info, res, reference)
   for key in plain:
     np.testing.assert_array_equal(res[key], plain[key], err_msg=key)

@@ -231,6 +231,34 @@ def test_fused_combine_where_the_seesaw_kernel_schedules_inline():
   assert _explain_paged(1, 16, 64, kernel=KernelChoice(fused_combine=False)).kernel.programmatic_combine is False
 
 
+def test_configuration_text_of_four_fields_still_parses():
+  # Programs exported before fused_combine existed carry four fields; the
+  # fifth is then auto. Other counts are refused.
+  ext = mla_jax._ffi.ext()
+  f = mla_jax.kernels.facts(op="paged", q_dtype=jnp.bfloat16, kv_dtype=jnp.bfloat16, kv_format="bf16",
+                            kv_lora_rank=512, qk_rope_head_dim=64, page_size=64, q_len=1, num_heads=16,
+                            batch=4, num_pages=20)
+  four, err4, _ = ext.select_kernel(f, "portable,kernel,rows,off")
+  five, err5, _ = ext.select_kernel(f, "portable,kernel,rows,off,auto")
+  assert not err4 and four == five and four.endswith(",off"), (four, err4)
+  for bad in ("portable,kernel,rows", "portable,kernel,rows,off,auto,auto"):
+    assert "comma-separated" in ext.select_kernel(f, bad)[1]
+
+
+@needs_sm90a
+def test_fused_combine_with_a_symbolic_batch_is_left_to_the_device():
+  # A forced inline schedule and grid with a symbolic batch: the task count
+  # is unknown at trace time.
+  b, = jax.export.symbolic_shape("b")
+  choice = KernelChoice(kernel="sm90_seesaw", schedule="inline", combine_grid="slices")
+  plan = mla_jax.DecodePlan(num_heads=16, page_size=64, sm_scale=SM_SCALE, backend="cuda", kernel=choice)
+  args = (jax.ShapeDtypeStruct((b, 16, 576), jnp.bfloat16), jax.ShapeDtypeStruct((50, 64, 576), jnp.bfloat16),
+          jax.ShapeDtypeStruct((b, 8), jnp.int32), jax.ShapeDtypeStruct((b,), jnp.int32))
+  got = mla_jax.explain(plan, *args, device=H200)
+  assert got.kernel.fused_combine is None, str(got)
+  assert any(line == "fused combine: auto, chosen on the device" for line in got.reasons), str(got)
+
+
 @pytest.mark.parametrize("kernel,page_size,batch,match", [
     ("sm90_seesaw", 16, 4, "TMA"),
     (KernelChoice(kernel="portable", schedule="inline"), 64, 4, "seesaw"),

@@ -105,16 +105,20 @@ std::string format_config(const KernelConfig& c) {
 }
 
 bool parse_config(std::string_view text, KernelConfig* c, std::string* why) {
+  // Five fields; four (no fused_combine: auto) in programs exported before
+  // that field existed.
   constexpr int kFields = 5;
-  std::string_view fields[kFields];
+  std::string_view fields[kFields] = {{}, {}, {}, {}, "auto"};
+  int count = 1;
+  for (char ch : text) count += ch == ',';
+  if (count != kFields && count != kFields - 1) {
+    *why = "expected " + std::to_string(kFields) + " comma-separated fields, got '" + std::string(text) + "'";
+    return false;
+  }
   size_t start = 0;
-  for (int i = 0; i < kFields; ++i) {
+  for (int i = 0; i < count; ++i) {
     const size_t comma = text.find(',', start);
-    if ((comma == std::string_view::npos) != (i == kFields - 1)) {
-      *why = "expected " + std::to_string(kFields) + " comma-separated fields, got '" + std::string(text) + "'";
-      return false;
-    }
-    fields[i] = text.substr(start, i == kFields - 1 ? std::string_view::npos : comma - start);
+    fields[i] = text.substr(start, i == count - 1 ? std::string_view::npos : comma - start);
     start = comma + 1;
   }
   static constexpr KernelFamily kFamilies[] = {KernelFamily::kAuto, KernelFamily::kPortable,
@@ -376,7 +380,7 @@ Selection select_kernel(const DecodeFacts& f, const KernelConfig& requested, std
       c.fused_combine = Switch::kOff;
       note([&] { return std::string("fused combine: off (the plan asks for a programmatic combine launch)"); });
     } else if (c.kernel == KernelFamily::kAuto || (seesaw && c.schedule == ScheduleMode::kAuto) ||
-               (fusable && (c.combine_grid == CombineGrid::kAuto || f.sm_count <= 0))) {
+               (fusable && (c.combine_grid == CombineGrid::kAuto || f.sm_count <= 0 || requests < 0))) {
       note([&] { return std::string("fused combine: auto, chosen on the device"); });
     } else if (!fusable) {
       c.fused_combine = Switch::kOff;
