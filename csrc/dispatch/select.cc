@@ -13,9 +13,8 @@ namespace {
 constexpr int64_t kCombineBlockBelowPairs = 2048;  // block grid: fewer pairs than this ...
 constexpr int64_t kCombineBlockMinSplits = 32;     // ... and at least this many partitions per request
 constexpr int64_t kCombineSliceBelowPairs = 1024;  // a warp per slice below this many pairs
-// The fused combine's units of work (csrc/sm90/decode_seesaw.cuh): warps of a
-// seesaw CTA, and 128-column slices of a 512-column row.
-constexpr int64_t kFusedCombineWarps = 8;
+// The fused combine's tasks (csrc/sm90/decode_seesaw.cuh): 128-column slices
+// of a 512-column row.
 constexpr int64_t kFusedCombineSlices = 4;
 
 const char* family_name(KernelFamily k) {
@@ -367,13 +366,14 @@ Selection select_kernel(const DecodeFacts& f, const KernelConfig& requested, std
   //    inline schedule (one CTA per SM, persistent) can wait for the whole
   //    grid and merge the splits itself, which saves the combine kernel's
   //    launch and the gap before it. But the grid holds one CTA per SM, 8
-  //    warps each, where the combine kernel's grid fills every SM; each
-  //    (request, row, 128-column slice) task is a chain of dependent loads,
-  //    so a grid that must take its tasks in more than one round measured
-  //    slower than the combine kernel (docs/perf.md). Auto fuses where one
-  //    round covers them: a task a CTA (block grid's order) or a warp. A
-  //    plan that asks for a programmatic combine launch gets the combine
-  //    kernel.
+  //    warps each, where the combine kernel's grid fills every SM, and each
+  //    (request, row, 128-column slice) task is a chain of dependent loads:
+  //    measured (docs/perf.md), the block grid's order gained where every
+  //    CTA takes at most one task, while the warp grids' order gained at
+  //    most 1 % at 12 heads and lost at 128 heads even with fewer tasks than
+  //    warps; with more tasks than units both lost. Auto fuses the first
+  //    case only. A plan that asks for a programmatic combine launch gets
+  //    the combine kernel.
   const bool fusable = seesaw && c.schedule == ScheduleMode::kInline;
   if (c.fused_combine == Switch::kAuto) {
     if (c.programmatic_combine == Switch::kOn) {
@@ -388,15 +388,15 @@ Selection select_kernel(const DecodeFacts& f, const KernelConfig& requested, std
     } else {
       const int64_t ctas = (rows + 63) / 64 * num_partitions(f.sm_count, rows, f.workspace_parts);
       const bool block_order = c.combine_grid == CombineGrid::kBlock;
-      const int64_t units = block_order ? ctas : ctas * kFusedCombineWarps;
       const int64_t tasks = requests * rows * kFusedCombineSlices;
-      const bool on = tasks <= units;
+      const bool on = block_order && tasks <= ctas;
       c.fused_combine = on ? Switch::kOn : Switch::kOff;
-      note([&] { return std::string("fused combine: ") + (on ? "on" : "off") + " (" + std::to_string(tasks) +
-                        " (request, row, slice) tasks " + (on ? "within " : "over ") + "one round of " +
-                        std::to_string(units) + (block_order ? " CTAs" : " warps") +
-                        (on ? ": the decode kernel merges the splits after a grid-wide barrier, in the combine grid's order)"
-                            : ": the combine kernel)"); });
+      note([&] { return std::string("fused combine: ") + (on ? "on (" : "off (") +
+                        (!block_order ? std::string("the combine kernel: a warp grid's order")
+                         : std::to_string(tasks) + " (request, row, slice) tasks " + (on ? "within" : "over") + " one round of " +
+                               std::to_string(ctas) + " CTAs" +
+                               (on ? ": the decode kernel merges the splits after a grid-wide barrier, in the block grid's order"
+                                   : ": the combine kernel")) + ")"; });
     }
   } else {
     const bool resolved = c.kernel != KernelFamily::kAuto && c.schedule != ScheduleMode::kAuto;
