@@ -71,9 +71,9 @@ class KernelChoice:
     fused_combine: the "sm90_seesaw" kernel with schedule "inline" merges
       the splits itself after a grid-wide barrier (a cooperative launch)
       instead of a combine kernel after it, adding them in the order of
-      ``combine_grid``'s kernel (the same bits): None (auto: on where the
-      grid takes the combine's tasks in one round, docs/design.md), True or
-      False.
+      ``combine_grid``'s kernel (the same bits): None (auto: on in the
+      block grid's order where every CTA takes at most one (request, row,
+      128-column slice) task, docs/design.md), True or False.
   """
 
   kernel: str = "auto"

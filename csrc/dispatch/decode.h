@@ -23,7 +23,8 @@ DeviceInfo device_info(int device_ordinal);
 bool build_has_sm90a();
 
 // Scheduler (unless the decode schedules itself) + decode + combine (unless
-// the decode kernel combines itself: config.fused_combine) on `stream`. config is fully resolved; num_parts from num_partitions().
+// the decode kernel combines itself: config.fused_combine) on `stream`.
+// config is fully resolved; num_parts from num_partitions().
 cudaError_t run_paged_decode(const PagedDecodeParams& params, const DecodeWorkspace& ws, const KernelConfig& config,
                              int num_parts, int max_num_splits, cudaStream_t stream);
 

@@ -41,8 +41,6 @@ cudaError_t launch_decode(const PagedDecodeParams& p, const DecodeWorkspace& ws,
   SplitSchedule s = schedule;
   s.inline_schedule = seesaw && schedule.inline_schedule;
   s.schedule_in_decode = seesaw && schedule.schedule_in_decode;
-  s.fused_combine = seesaw && s.inline_schedule && schedule.fused_combine;
-  if (schedule.fused_combine && !s.fused_combine) return cudaErrorInvalidValue;  // no combine would run
   // The block schedule keeps each row block's items in its own region.
   if (s.schedule_in_decode && ws.item_regions < static_cast<int>(grid.x)) return cudaErrorInvalidValue;
   // The block schedule is its own instantiation of the seesaw kernel, so the

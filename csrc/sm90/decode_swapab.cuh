@@ -439,19 +439,12 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       const int r = q_row, lane8 = q_lane8;
       const uint4 (&raw)[9] = q_raw;
       float amax = 0.f;
-      auto to_float2 = [](uint32_t w) {
-        if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-          return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w));
-        } else {
-          return __half22float2(*reinterpret_cast<const __half2*>(&w));
-        }
-      };
 #pragma unroll
       for (int n = 0; n < 9; ++n) {
         const uint32_t w4[4] = {raw[n].x, raw[n].y, raw[n].z, raw[n].w};
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
-          const float2 f = to_float2(w4[k]);
+          const float2 f = smxx::unpack2<T>(w4[k]);
           amax = fmaxf(amax, fmaxf(fabsf(f.x), fabsf(f.y)));
         }
       }
@@ -485,7 +478,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             uint32_t h[4];
 #pragma unroll
             for (int k = 0; k < 4; ++k) {
-              const float2 f = to_float2(w4[k]);
+              const float2 f = smxx::unpack2<T>(w4[k]);
               h[k] = smxx::pack2<__nv_bfloat16>(ldexpf(f.x, shift), ldexpf(f.y, shift));
             }
             *reinterpret_cast<uint4*>(slab + Tr::kQRopeOffset + kmajor_offset<Tr::kNq>(slab_row, 8 * (ch - 64))) =
@@ -496,7 +489,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         uint32_t part[Tr::kQTerms][2] = {};
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
-          const float2 f = to_float2(w4[k]);
+          const float2 f = smxx::unpack2<T>(w4[k]);
           float x = ldexpf(f.x, shift), y = ldexpf(f.y, shift);
 #pragma unroll
           for (int j = 0; j < Tr::kQTerms; ++j) {

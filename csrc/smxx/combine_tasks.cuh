@@ -9,13 +9,11 @@
 // bit.
 #pragma once
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-
 #include <cub/block/block_reduce.cuh>
 
 #include "csrc/common/mla_params.h"
 #include "csrc/common/workspace.h"
+#include "csrc/smxx/kv_source.cuh"
 
 namespace mla_jax {
 namespace smxx {
@@ -26,40 +24,18 @@ constexpr int kCombineSliceColumns = 128;                 // four columns per la
 constexpr int kCombineSlices = 4;                         // 128-column slices of a 512-column row
 constexpr int kCombineWeightChunk = 256;                  // splits whose weights are staged at once
 
+// Four output values (8 bytes) in OutT.
 template <typename OutT>
-__device__ __forceinline__ void combine_store4(OutT* dst, float4 v);
-
-template <>
-__device__ __forceinline__ void combine_store4<__nv_bfloat16>(__nv_bfloat16* dst, float4 v) {
-  __nv_bfloat162 lo = __floats2bfloat162_rn(v.x, v.y), hi = __floats2bfloat162_rn(v.z, v.w);
-  uint2 packed = make_uint2(*reinterpret_cast<uint32_t*>(&lo), *reinterpret_cast<uint32_t*>(&hi));
-  *reinterpret_cast<uint2*>(dst) = packed;
-}
-
-template <>
-__device__ __forceinline__ void combine_store4<__half>(__half* dst, float4 v) {
-  __half2 lo = __floats2half2_rn(v.x, v.y), hi = __floats2half2_rn(v.z, v.w);
-  uint2 packed = make_uint2(*reinterpret_cast<uint32_t*>(&lo), *reinterpret_cast<uint32_t*>(&hi));
-  *reinterpret_cast<uint2*>(dst) = packed;
+__device__ __forceinline__ void combine_store4(OutT* dst, float4 v) {
+  *reinterpret_cast<uint2*>(dst) = make_uint2(pack2<OutT>(v.x, v.y), pack2<OutT>(v.z, v.w));
 }
 
 // Four consecutive partial values (8 bytes, stored in the output's dtype,
 // csrc/common/workspace.h) as floats. Loaded raw and converted where they
 // are added, so that loads in flight hold two registers each, not four.
 template <typename T>
-__device__ __forceinline__ float4 to_float4(uint2 raw);
-
-template <>
-__device__ __forceinline__ float4 to_float4<__nv_bfloat16>(uint2 raw) {
-  const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
-  const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
-  return make_float4(lo.x, lo.y, hi.x, hi.y);
-}
-
-template <>
-__device__ __forceinline__ float4 to_float4<__half>(uint2 raw) {
-  const float2 lo = __half22float2(*reinterpret_cast<const __half2*>(&raw.x));
-  const float2 hi = __half22float2(*reinterpret_cast<const __half2*>(&raw.y));
+__device__ __forceinline__ float4 to_float4(uint2 raw) {
+  const float2 lo = unpack2<T>(raw.x), hi = unpack2<T>(raw.y);
   return make_float4(lo.x, lo.y, hi.x, hi.y);
 }
 
